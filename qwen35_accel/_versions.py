@@ -1,0 +1,54 @@
+"""Supported dependency versions, checked at import from package metadata (cheap: no
+torch/transformers import happens here)."""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+
+# name -> (minimum inclusive, maximum exclusive, why this minimum)
+SUPPORTED: dict[str, tuple[str, str, str]] = {
+    "torch": ("2.13", "3", "public fully_shard with shared-parameter checks and DeviceMesh flattening as tested"),
+    "transformers": ("5.24", "6", "the Qwen3.5 modeling code whose GatedDeltaNet forward qwen35_accel mirrors"),
+    "accelerate": ("1.15", "2", "ParallelismConfig and the FSDP2 preparation path qwen35_accel hooks"),
+}
+# The exact versions the test suite ran with (README: Supported versions).
+TESTED = {"torch": "2.13.0", "transformers": "5.24.0", "accelerate": "1.15.0"}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """`'2.13.0+cpu'` -> `(2, 13, 0)`; pre-release and local tags are dropped."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        m = re.match(r"\d+", piece)
+        if m is None:
+            break
+        parts.append(int(m.group()))
+    return tuple(parts)
+
+
+def check_versions(required: tuple[str, ...] = ("torch", "transformers")) -> dict[str, str]:
+    """Raise ImportError naming every installed version outside SUPPORTED.
+
+    `accelerate` is optional for the core (only the integration needs it) and is checked
+    only if installed. Returns the installed versions by name.
+    """
+    found: dict[str, str] = {}
+    problems: list[str] = []
+    for name, (lo, hi, why) in SUPPORTED.items():
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            if name in required:
+                problems.append(f"{name} is not installed; qwen35-accel needs {name}>={lo},<{hi} ({why})")
+            continue
+        v = _release(found[name])
+        if not (_release(lo) <= v < _release(hi)):
+            problems.append(f"{name} {found[name]} is installed; qwen35-accel supports {name}>={lo},<{hi} ({why})")
+    if problems:
+        raise ImportError(
+            "qwen35-accel cannot run with these versions:\n  - "
+            + "\n  - ".join(problems)
+            + "\nInstall a supported set, e.g. `pip install torch==2.13.0 transformers==5.24.0 accelerate==1.15.0`."
+        )
+    return found

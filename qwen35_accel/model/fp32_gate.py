@@ -1,0 +1,199 @@
+"""The fp32 gate holder of Qwen3.5's GatedDeltaNet.
+
+`A_log` and `dt_bias` define the per-head decay `g = -exp(A_log) * softplus(a + dt_bias)`.
+They must be stored and used in fp32: bf16 rounding of `A_log` shifts the decay rate of
+every token, and the recurrence compounds it over the sequence. FSDP2 needs each unit's
+trainable parameters to share one storage dtype and computes a unit in one `param_dtype`,
+so the two parameters move into a submodule of their own, `_fp32_params`, which FSDP2 can
+shard as its own fp32 unit while the rest of the layer runs under the user's policy.
+
+Checkpoints keep the Transformers layout: `state_dict()` (and so `save_pretrained`)
+emits `…linear_attn.A_log` / `…linear_attn.dt_bias` in fp32, and `load_state_dict`
+accepts those names (from unmodified checkpoints, in any floating dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+HOLDER_NAME = "_fp32_params"
+GATE_PARAM_NAMES = ("A_log", "dt_bias")
+
+
+class Fp32GateParams(nn.Module):
+    """Holds `A_log` and `dt_bias` ([num_v_heads], fp32) and computes the decay gate.
+
+    Storage stays fp32 under `module.to(dtype)` / `.half()` / `.bfloat16()`: dtype casts
+    skip these two parameters (device moves apply as usual).
+    """
+
+    def __init__(self, A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
+        super().__init__()
+        self.A_log = nn.Parameter(A_log.detach().to(torch.float32), requires_grad=A_log.requires_grad)
+        self.dt_bias = nn.Parameter(dt_bias.detach().to(torch.float32), requires_grad=dt_bias.requires_grad)
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        """`a`: [batch, seq, num_v_heads], any float dtype -> g: same shape, fp32.
+
+        Same expression as Transformers' GatedDeltaNet (bitwise equal for fp32 params).
+        """
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        # Let `fn` move the parameters (device, meta, to_empty), then undo any dtype cast
+        # by recomputing from the fp32 original: no bf16 round trip ever touches them.
+        # `detach()` keeps the old storage alive: `_apply` may swap `param.data` in place.
+        originals = {name: p.detach() for name, p in self._parameters.items() if p is not None}
+        super()._apply(fn, recurse)
+        for name, before in originals.items():
+            after = self._parameters[name]
+            if after is not None and after.dtype != torch.float32 and before.dtype == torch.float32:
+                with torch.no_grad():
+                    after.data = before.to(device=after.device)
+        return self
+
+
+def _gate_state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """`prefix._fp32_params.A_log` -> `prefix.A_log` (the Transformers key)."""
+    for name in GATE_PARAM_NAMES:
+        key = f"{prefix}{HOLDER_NAME}.{name}"
+        if key in state_dict:
+            state_dict[f"{prefix}{name}"] = state_dict.pop(key)
+
+
+def _gate_load_state_dict_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Accept the Transformers keys `prefix.A_log` / `prefix.dt_bias` when loading."""
+    for name in GATE_PARAM_NAMES:
+        key = f"{prefix}{name}"
+        if key in state_dict:
+            state_dict[f"{prefix}{HOLDER_NAME}.{name}"] = state_dict.pop(key)
+
+
+class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
+    """Qwen3_5GatedDeltaNet whose decay gate comes from its `_fp32_params` holder.
+
+    Instances are made by `install_fp32_gate` (class swap on the existing module; no new
+    weights). `A_log` / `dt_bias` remain readable as attributes (they resolve to the
+    holder), so Transformers' weight init and torch's distributed checkpoint FQN walk
+    keep working.
+    """
+
+    @property
+    def A_log(self) -> nn.Parameter:  # noqa: N802 (Transformers' name)
+        return getattr(self, HOLDER_NAME).A_log
+
+    @property
+    def dt_bias(self) -> nn.Parameter:
+        return getattr(self, HOLDER_NAME).dt_bias
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        # torch.distributed.checkpoint.state_dict: `A_log` in a state-dict key lives on
+        # the `_fp32_params` child (which state-dict keys do not show).
+        return {name: HOLDER_NAME for name in GATE_PARAM_NAMES}
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache: Any | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Transformers' GatedDeltaNet forward with `g = self._fp32_params(a)`.
+
+        `hidden_states`: [batch, seq, hidden]; returns [batch, seq, hidden]. The kernels
+        are looked up on the Transformers module at call time, so whatever Transformers
+        would run (torch fallbacks, FLA, causal-conv1d) runs here too.
+        """
+        if "cache_params" in kwargs:  # the deprecated name Transformers still accepts
+            cache = kwargs.pop("cache_params")
+        hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
+        batch_size, seq_len, _ = hidden_states.shape
+        if cache is not None:
+            conv_state = cache.get_conv_state(self.layer_idx, state_idx=0)
+            recurrent_state = cache.get_recurrent_state(self.layer_idx, state_idx=0)
+        else:
+            conv_state, recurrent_state = None, None
+
+        mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
+        z = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.head_v_dim)
+        b = self.in_proj_b(hidden_states)
+        a = self.in_proj_a(hidden_states)
+
+        if conv_state is not None and seq_len == 1 and not cache.is_recording_past(self.layer_idx):
+            mixed_qkv = hf.causal_conv1d_update(
+                mixed_qkv, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation
+            )
+        else:
+            if cache is not None:
+                mixed_qkv = cache.update_conv_state(mixed_qkv, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+            mixed_qkv = hf.causal_conv1d_fn(
+                mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation, **kwargs
+            )
+            if cache is not None:
+                mixed_qkv = mixed_qkv[:, :, -seq_len:]
+
+        mixed_qkv = mixed_qkv.transpose(1, 2)
+        query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(batch_size, seq_len, -1, self.head_k_dim)
+        key = key.reshape(batch_size, seq_len, -1, self.head_k_dim)
+        value = value.reshape(batch_size, seq_len, -1, self.head_v_dim)
+
+        beta = b.sigmoid()
+        # Through the holder's forward: under FSDP2 this is what gathers A_log/dt_bias in fp32.
+        g = getattr(self, HOLDER_NAME)(a)
+
+        rule = hf.torch_recurrent_gated_delta_rule if recurrent_state is not None and seq_len == 1 else hf.torch_chunk_gated_delta_rule
+        core_attn_out, last_recurrent_state = rule(
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            initial_state=recurrent_state,
+            output_final_state=cache is not None,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=kwargs.pop("cu_seq_lens_q", None),
+            **kwargs,
+        )
+        if cache is not None:
+            cache.update_recurrent_state(last_recurrent_state, self.layer_idx)
+
+        core_attn_out = self.norm(core_attn_out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(core_attn_out.reshape(batch_size, seq_len, -1))
+
+
+def has_fp32_gate(module: nn.Module) -> bool:
+    return isinstance(module, Fp32GateGatedDeltaNet)
+
+
+def install_fp32_gate(model: nn.Module) -> int:
+    """Move every GatedDeltaNet's `A_log` and `dt_bias` into an fp32 `_fp32_params` holder.
+
+    Works on any module tree holding `Qwen3_5GatedDeltaNet` layers, on any device
+    (meta included) and before any sharding. Values are converted exactly (upcast to
+    fp32; a bf16 model keeps its bf16 values). `requires_grad` is preserved.
+    Idempotent: returns the number of layers converted by this call (0 the second time).
+    """
+    converted = 0
+    for module in model.modules():
+        if not isinstance(module, hf.Qwen3_5GatedDeltaNet) or has_fp32_gate(module):
+            continue
+        if type(module) is not hf.Qwen3_5GatedDeltaNet:
+            raise TypeError(
+                f"install_fp32_gate: {type(module).__name__} subclasses Qwen3_5GatedDeltaNet with its own forward; "
+                "converting it would drop that forward. Only the Transformers class itself is supported."
+            )
+        A_log = module._parameters.pop("A_log")
+        dt_bias = module._parameters.pop("dt_bias")
+        module.add_module(HOLDER_NAME, Fp32GateParams(A_log, dt_bias))
+        module.__class__ = Fp32GateGatedDeltaNet
+        module.register_state_dict_post_hook(_gate_state_dict_post_hook)
+        module.register_load_state_dict_pre_hook(_gate_load_state_dict_pre_hook)
+        converted += 1
+    return converted

@@ -1,0 +1,177 @@
+"""Dtype-uniform FSDP2 units.
+
+FSDP2 asserts that the trainable parameters of one unit share a storage dtype, and it
+casts a whole unit to one `param_dtype` for compute. A decoder layer of Qwen3.5 holds
+bf16 (or fp32-master) weights plus the fp32 gate holder, so one unit per layer cannot be
+right. `fully_shard_by_dtype` splits a module into the fewest units that are each uniform
+in (storage dtype, compute dtype).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+logger = logging.getLogger(__name__)
+
+DtypeKey = tuple[torch.dtype, torch.dtype]  # (storage dtype, compute dtype)
+
+
+def fp32_compute_policy(mp_policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """The policy of an fp32-compute unit: params gathered and gradients reduced in fp32.
+
+    `output_dtype` and `cast_forward_inputs` follow the user's policy (the holder returns
+    fp32 whatever its input dtype).
+    """
+    return MixedPrecisionPolicy(
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        output_dtype=mp_policy.output_dtype,
+        cast_forward_inputs=mp_policy.cast_forward_inputs,
+    )
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+def _unmanaged_params(module: nn.Module, ignored: set[nn.Parameter]) -> Iterable[tuple[str, nn.Parameter]]:
+    """Parameters `fully_shard(module)` would take: not under a nested FSDP unit, not ignored."""
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    while stack:
+        prefix, m = stack.pop()
+        for name, p in m.named_parameters(recurse=False):
+            if p is not None and id(p) not in seen and p not in ignored:
+                seen.add(id(p))
+                yield prefix + name, p
+        for name, child in m.named_children():
+            if not _is_fsdp(child):
+                stack.append((f"{prefix}{name}.", child))
+
+
+def _trainable_keys(module: nn.Module, compute: torch.dtype | None, ignored: set[nn.Parameter]) -> dict[DtypeKey, int]:
+    """Numel of the unmanaged trainable parameters of `module` per (storage, compute) dtype."""
+    keys: dict[DtypeKey, int] = {}
+    for _, p in _unmanaged_params(module, ignored):
+        if p.requires_grad:
+            key = (p.dtype, compute or p.dtype)
+            keys[key] = keys.get(key, 0) + p.numel()
+    return keys
+
+
+def fully_shard_by_dtype(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
+    fp32_compute_module_names: Sequence[str] = ("_fp32_params",),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> list[FSDPModule]:
+    """Shard `module` into FSDP2 units that are each uniform in (storage, compute) dtype.
+
+    Cases, by what the module's not-yet-sharded trainable parameters hold:
+    1. Submodules named in `fp32_compute_module_names` (GatedDeltaNet's `_fp32_params`)
+       become units of their own with `fp32_compute_policy(mp_policy)`, first.
+    2. One dtype among the rest: `module` is one unit with `mp_policy`.
+    3. Several: the dtype with the most elements stays with `module`; every largest
+       subtree holding only another dtype becomes its own unit (same `mp_policy`, so a
+       bf16 subtree in an fp32 layer computes as the policy says). A parameter of a
+       minority dtype held directly by a module that also holds other dtypes cannot be
+       isolated and raises ValueError naming it.
+    Frozen parameters never split a unit (FSDP2 exempts them from the dtype rule).
+
+    Args:
+        module: not yet an FSDP module; nested units already made are respected.
+        mesh: the 1-D shard mesh, or a 2-D (replicate, shard) mesh for HSDP.
+        mp_policy: the user's policy for everything but fp32-compute holders.
+        offload_policy: applied to every unit (None: no offload).
+        reshard_after_forward: applied to every unit made here (FSDP2's meaning).
+        fp32_compute_module_names: last names of submodules that must compute in fp32.
+        ignored_params: parameters FSDP2 must leave alone (replicated on every rank).
+
+    Returns: the units made, in forward order (holders after the unit that calls them
+    is irrelevant to FSDP2; the order is outer unit first, then holders).
+    """
+    ignored = set(ignored_params or ())
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload_policy or OffloadPolicy())
+    if ignored:
+        kwargs["ignored_params"] = ignored
+    holders: list[FSDPModule] = []
+    for name, sub in module.named_modules():
+        if sub is module or _is_fsdp(sub) or name.rsplit(".", 1)[-1] not in fp32_compute_module_names:
+            continue
+        if any(True for _ in _unmanaged_params(sub, ignored)):
+            holders.append(fully_shard(sub, mp_policy=fp32_compute_policy(mp_policy), **kwargs))
+
+    compute = mp_policy.param_dtype
+    keys = _trainable_keys(module, compute, ignored)
+    minority_units: list[FSDPModule] = []
+    if len(keys) > 1:
+        majority = max(keys, key=keys.get)
+        minority_units = _split_minority(module, majority, compute, ignored, mp_policy, kwargs)
+        logger.info(
+            "%s: mixed trainable dtypes %s; kept %s in the unit, split %d subtree unit(s)",
+            type(module).__name__,
+            {f"{s}->{c}": n for (s, c), n in keys.items()},
+            majority,
+            len(minority_units),
+        )
+    outer = fully_shard(module, mp_policy=mp_policy, **kwargs)
+    return [outer, *minority_units, *holders]
+
+
+def _split_minority(
+    module: nn.Module,
+    majority: DtypeKey,
+    compute: torch.dtype | None,
+    ignored: set[nn.Parameter],
+    mp_policy: MixedPrecisionPolicy,
+    kwargs: dict,
+) -> list[FSDPModule]:
+    units: list[FSDPModule] = []
+    for name, p in module.named_parameters(recurse=False):
+        if p.requires_grad and p not in ignored and (p.dtype, compute or p.dtype) != majority:
+            raise ValueError(
+                f"{type(module).__name__}.{name} is a trainable {p.dtype} parameter held directly by a module whose "
+                f"other trainable parameters are {majority[0]}; FSDP2 cannot put them in separate units. "
+                f"Cast it to {majority[0]} or move it into a submodule of its own."
+            )
+    for child in module.children():
+        if _is_fsdp(child):
+            continue
+        keys = _trainable_keys(child, compute, ignored)
+        if not keys or set(keys) == {majority}:
+            continue
+        if len(keys) == 1:
+            units.append(fully_shard(child, mp_policy=mp_policy, **kwargs))
+        else:
+            units.extend(_split_minority(child, majority, compute, ignored, mp_policy, kwargs))
+    return units
+
+
+def set_layer_prefetch(layer_units: Sequence[Sequence[FSDPModule]], *, forward_depth: int, backward_depth: int) -> None:
+    """Explicit FSDP2 prefetch in decoder-layer order.
+
+    `layer_units[i]` are the units of layer i, outer unit first. Entering layer i's
+    forward gathers all units of layers i+1 … i+forward_depth; entering its backward
+    gathers those of layers i-1 … i-backward_depth.
+    """
+    n = len(layer_units)
+    for i, units in enumerate(layer_units):
+        outer = units[0]
+        if forward_depth > 0:
+            ahead = [u for j in range(i + 1, min(n, i + 1 + forward_depth)) for u in layer_units[j]]
+            if ahead:
+                outer.set_modules_to_forward_prefetch(ahead)
+        if backward_depth > 0:
+            behind = [u for j in range(i - 1, max(-1, i - 1 - backward_depth), -1) for u in layer_units[j]]
+            if behind:
+                outer.set_modules_to_backward_prefetch(behind)

@@ -1,0 +1,212 @@
+"""The parallelizer of dense Qwen3.5 models: surgery, TP, AC, FSDP2, CP, in that order.
+
+`PARALLELIZER.apply(model, device_mesh, …)` is the one entry point; the Accelerate
+integration calls it with the plugin's settings, custom loops call it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+
+from .model.detect import qwen35_parts
+from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
+from .parallel.activation_checkpointing import apply_activation_checkpointing
+from .parallel.fsdp import fully_shard_by_dtype, set_layer_prefetch
+
+__all__ = ["PARALLELIZER"]
+
+logger = logging.getLogger(__name__)
+
+FrozenMultimodalSharding = Literal["root", "replicate", "shard"]
+FROZEN_MULTIMODAL_SHARDING_CHOICES: tuple[str, ...] = ("root", "replicate", "shard")
+
+
+def mesh_dim_names(mesh: DeviceMesh) -> list[str]:
+    """The names `mesh[name]` accepts: its own dims and the dims flattened from its root."""
+    names = list(mesh.mesh_dim_names or ())
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else None
+    for name in getattr(root, "_flatten_mapping", {}) or {}:
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def mesh_dim_size(mesh: DeviceMesh, name: str) -> int:
+    """Size of the named dim; 1 if the mesh has no such dim."""
+    return mesh[name].size() if name in mesh_dim_names(mesh) else 1
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank computes on for `mesh` (its local accelerator, or the CPU)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+class Qwen3_5ModelParallelizer:
+    """Applies qwen35-accel's parallelism to a dense Qwen3.5 model, in place."""
+
+    # Submodules (by last name) whose parameters compute in fp32 whatever the policy.
+    fp32_compute_module_names: tuple[str, ...] = (HOLDER_NAME,)
+
+    def apply(
+        self,
+        model: nn.Module,
+        device_mesh: DeviceMesh,
+        dp_shard_cp_mesh_name: str = "dp_shard_cp",
+        *,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        offload_policy: OffloadPolicy | None = None,
+        activation_checkpointing: bool = False,
+        reshard_after_forward: bool | int | None = None,
+        enable_fsdp2_prefetch: bool = True,
+        fsdp2_backward_prefetch_depth: int = 2,
+        fsdp2_forward_prefetch_depth: int = 1,
+        frozen_multimodal_sharding: FrozenMultimodalSharding = "root",
+        dp_replicate_mesh_name: str = "dp_replicate",
+        cp_mesh_name: str = "cp",
+        tp_mesh_name: str = "tp",
+    ) -> nn.Module:
+        """Parallelize `model` over `device_mesh` and return it (the same object).
+
+        Steps: fp32 gate holders (`install_fp32_gate`), TP (tp > 1: not yet), activation
+        checkpointing per decoder layer, dtype-uniform FSDP2 units (`apply_fsdp_sharding`),
+        CP (cp > 1: not yet).
+
+        Preconditions: `torch.distributed` is initialised; `model` is a dense Qwen3.5
+        model (TypeError otherwise) not yet sharded; `device_mesh` has a dim (own or
+        flattened) named `dp_shard_cp_mesh_name` (ValueError otherwise). The
+        `dp_replicate`, `cp` and `tp` dims are optional (absent = size 1); a replicate
+        dim of size > 1 gives HSDP over (`dp_replicate`, `dp_shard_cp`).
+        """
+        parts = qwen35_parts(model)  # TypeError for anything but dense Qwen3.5
+        if isinstance(model, FSDPModule):
+            raise ValueError(f"{type(model).__name__} is already sharded by FSDP2; apply the parallelizer once, to the unsharded model.")
+        if frozen_multimodal_sharding not in FROZEN_MULTIMODAL_SHARDING_CHOICES:
+            raise ValueError(
+                f"frozen_multimodal_sharding={frozen_multimodal_sharding!r}; expected one of {FROZEN_MULTIMODAL_SHARDING_CHOICES}"
+            )
+        names = mesh_dim_names(device_mesh)
+        if dp_shard_cp_mesh_name not in names:
+            raise ValueError(
+                f"device_mesh has no dim named {dp_shard_cp_mesh_name!r} (dims: {names}). Pass the name of the FSDP shard "
+                f"dim as dp_shard_cp_mesh_name, or build the mesh with it (Accelerate's ParallelismConfig names it 'dp_shard_cp')."
+            )
+        for what, name in (("context parallelism", cp_mesh_name), ("tensor parallelism", tp_mesh_name)):
+            size = mesh_dim_size(device_mesh, name)
+            if size > 1:
+                raise NotImplementedError(
+                    f"{what} is not implemented yet in qwen35_accel (mesh dim {name!r} has size {size}); use a mesh "
+                    f"where {name!r} is absent or of size 1."
+                )
+        if mesh_dim_size(device_mesh, dp_replicate_mesh_name) > 1:
+            fsdp_mesh = device_mesh[(dp_replicate_mesh_name, dp_shard_cp_mesh_name)]
+        else:
+            fsdp_mesh = device_mesh[dp_shard_cp_mesh_name]
+
+        converted = install_fp32_gate(model)
+        if activation_checkpointing:
+            apply_activation_checkpointing(parts.decoder_layers)
+        self.apply_fsdp_sharding(
+            model,
+            fsdp_mesh,
+            mp_policy,
+            offload_policy=offload_policy,
+            enable_fsdp2_prefetch=enable_fsdp2_prefetch,
+            fsdp2_backward_prefetch_depth=fsdp2_backward_prefetch_depth,
+            fsdp2_forward_prefetch_depth=fsdp2_forward_prefetch_depth,
+            reshard_after_forward=reshard_after_forward,
+            frozen_multimodal_sharding=frozen_multimodal_sharding,
+        )
+        logger.info(
+            "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s)",
+            type(model).__name__,
+            fsdp_mesh,
+            converted,
+            activation_checkpointing,
+        )
+        return model
+
+    def apply_fsdp_sharding(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        mp_policy: MixedPrecisionPolicy | None,
+        offload_policy: OffloadPolicy | None = None,
+        enable_fsdp2_prefetch: bool = True,
+        fsdp2_backward_prefetch_depth: int = 2,
+        fsdp2_forward_prefetch_depth: int = 1,
+        reshard_after_forward: bool | int | None = None,
+        frozen_multimodal_sharding: FrozenMultimodalSharding = "root",
+        ignored_multimodal_params: set[nn.Parameter] | None = None,
+    ) -> None:
+        """Shard a dense Qwen3.5 model into dtype-uniform FSDP2 units, bottom-up.
+
+        Units: per decoder layer `fully_shard_by_dtype` (every `_fp32_params` holder an
+        fp32 unit, the rest of the layer with `mp_policy`); vision blocks one unit each
+        when the vision tower trains, else per `frozen_multimodal_sharding` ("root": left
+        to the root unit; "replicate": not sharded, its parameters added to
+        `ignored_multimodal_params` and moved to the mesh's device; "shard": a unit per
+        block); the input embedding; a tail of final norm + lm_head kept gathered after
+        forward (tied embeddings: the embedding joins the tail, so exactly one unit owns
+        the shared weight); the root. Then explicit prefetch in layer order.
+        """
+        parts = qwen35_parts(module)
+        policy = mp_policy or MixedPrecisionPolicy()
+        common = dict(
+            mesh=mesh,
+            mp_policy=policy,
+            offload_policy=offload_policy,
+            fp32_compute_module_names=self.fp32_compute_module_names,
+        )
+        ignored: set[nn.Parameter] = ignored_multimodal_params if ignored_multimodal_params is not None else set()
+
+        layer_units = [
+            fully_shard_by_dtype(layer, reshard_after_forward=reshard_after_forward, **common)
+            for layer in parts.decoder_layers
+        ]
+
+        if parts.vision_model is not None:
+            frozen = not any(p.requires_grad for p in parts.vision_model.parameters())
+            if not frozen or frozen_multimodal_sharding == "shard":
+                for block in parts.vision_blocks:
+                    fully_shard_by_dtype(block, reshard_after_forward=reshard_after_forward, **common)
+            elif frozen_multimodal_sharding == "replicate":
+                device = mesh_device(mesh)
+                for p in parts.vision_model.parameters():
+                    if p.device.type != "meta" and p.device != device:
+                        p.data = p.data.to(device)
+                    ignored.add(p)
+
+        lm_head_weight = getattr(parts.lm_head, "weight", None)
+        tied = lm_head_weight is not None and lm_head_weight is parts.embed_tokens.weight
+        if not tied:
+            fully_shard_by_dtype(parts.embed_tokens, reshard_after_forward=reshard_after_forward, **common)
+        # The tail runs last in forward and first in backward: resharding it after
+        # forward would only add an all-gather that nothing can hide.
+        tail = [m for m in ((parts.embed_tokens,) if tied else ()) + (parts.final_norm, parts.lm_head) if m is not None]
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(
+            tail,
+            mesh=mesh,
+            reshard_after_forward=False,
+            mp_policy=policy,
+            offload_policy=offload_policy or OffloadPolicy(),
+        )
+        # Root: FSDP2's default (None) keeps the root gathered after forward.
+        fully_shard_by_dtype(module, reshard_after_forward=None, ignored_params=ignored, **common)
+
+        if enable_fsdp2_prefetch:
+            set_layer_prefetch(
+                layer_units, forward_depth=fsdp2_forward_prefetch_depth, backward_depth=fsdp2_backward_prefetch_depth
+            )
+
+
+PARALLELIZER = Qwen3_5ModelParallelizer()

@@ -115,3 +115,28 @@ def random_batch(batch: int, seq: int, vocab_size: int, seed: int) -> dict[str, 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab_size, (batch, seq), generator=gen)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def random_vlm_batch(config: Qwen3_5Config, batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    """One 16-patch image (4 merged tokens) per row, text around it; prompt masked.
+
+    Keys: `input_ids`, `labels`, `pixel_values` [batch*16, 3*2*4*4], `image_grid_thw`
+    [batch, 3], `mm_token_type_ids` (1 on image tokens). Needs `tiny_vlm_config` sizes.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    vocab = config.text_config.vocab_size - 4  # the top 4 ids are the vision specials
+    ids = torch.randint(1, vocab, (batch, seq), generator=gen)
+    ids[:, 2] = config.vision_start_token_id
+    ids[:, 3:7] = config.image_token_id
+    ids[:, 7] = config.vision_end_token_id
+    labels = ids.clone()
+    labels[:, :8] = -100
+    v = config.vision_config
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "pixel_values": torch.randn(batch * 16, patch_dim, generator=gen),
+        "image_grid_thw": torch.tensor([[1, 4, 4]] * batch),
+        "mm_token_type_ids": (ids == config.image_token_id).long(),
+    }

@@ -1,0 +1,115 @@
+"""The fp32 gate holder: same model as Transformers, fp32 storage, HF checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from qwen35_accel.model.fp32_gate import HOLDER_NAME, install_fp32_gate
+from qwen35_accel.tiny import build_tiny_causal_lm, build_tiny_vlm, random_batch
+
+GATE_KEYS = ("A_log", "dt_bias")
+
+
+def _gdn_layers(model):
+    return [layer.linear_attn for layer in model.model.layers if layer.block_type == "linear_attention"]
+
+
+def test_install_converts_every_gated_delta_net_once():
+    model = build_tiny_causal_lm(num_hidden_layers=6)  # 4 GatedDeltaNet, 2 attention
+    assert install_fp32_gate(model) == 4
+    assert install_fp32_gate(model) == 0
+    for gdn in _gdn_layers(model):
+        assert "A_log" not in gdn._parameters and "dt_bias" not in gdn._parameters
+        holder = getattr(gdn, HOLDER_NAME)
+        assert {n for n, _ in holder.named_parameters()} == set(GATE_KEYS)
+        assert gdn.A_log is holder.A_log  # attribute access still works
+
+
+def test_vlm_text_layers_are_converted():
+    assert install_fp32_gate(build_tiny_vlm()) == 2
+
+
+def test_fp32_forward_and_backward_are_bitwise_those_of_transformers():
+    reference, model = build_tiny_causal_lm(seed=3), build_tiny_causal_lm(seed=3)
+    install_fp32_gate(model)
+    batch = random_batch(2, 40, reference.config.vocab_size, seed=1)
+    ref_out, out = reference(**batch), model(**batch)
+    assert torch.equal(out.logits, ref_out.logits)
+    ref_out.loss.backward()
+    out.loss.backward()
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, ref[name.replace(f".{HOLDER_NAME}.", ".")].grad), name
+
+
+def test_state_dict_has_transformers_keys_and_fp32_gate_in_bf16_model():
+    reference = build_tiny_causal_lm(dtype=torch.bfloat16)
+    model = build_tiny_causal_lm(dtype=torch.bfloat16)
+    install_fp32_gate(model)
+    sd = model.state_dict()
+    assert set(sd) == set(reference.state_dict())
+    assert not any(HOLDER_NAME in k for k in sd)
+    for key, value in sd.items():
+        if key.endswith(GATE_KEYS):
+            assert value.dtype == torch.float32, key
+            # bf16 values upcast exactly: nothing lost in the conversion
+            assert torch.equal(value, reference.state_dict()[key].float()), key
+        else:
+            assert value.dtype == torch.bfloat16, key
+
+
+def test_dtype_casts_keep_the_holder_fp32():
+    model = build_tiny_causal_lm()
+    install_fp32_gate(model)
+    before = _gdn_layers(model)[0].A_log.detach().clone()
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.bfloat16)):
+        cast(model)
+        gdn = _gdn_layers(model)[0]
+        assert gdn.A_log.dtype == gdn.dt_bias.dtype == torch.float32
+        assert torch.equal(gdn.A_log, before)
+        assert gdn.in_proj_qkv.weight.dtype != torch.float32
+
+
+def test_unmodified_checkpoint_loads_into_converted_model_and_back():
+    source = build_tiny_causal_lm(seed=1)
+    converted = build_tiny_causal_lm(seed=2)
+    install_fp32_gate(converted)
+    converted.load_state_dict(source.state_dict())  # strict
+    assert torch.equal(_gdn_layers(converted)[1].A_log, _gdn_layers(source)[1].A_log)
+
+    target = build_tiny_causal_lm(seed=4)
+    target.load_state_dict(converted.state_dict())  # strict, into an unmodified model
+    batch = random_batch(1, 16, source.config.vocab_size, seed=0)
+    assert torch.equal(target(**batch).logits, source(**batch).logits)
+
+
+def test_save_pretrained_writes_fp32_gate_under_transformers_names(tmp_path):
+    model = build_tiny_causal_lm(dtype=torch.bfloat16)
+    install_fp32_gate(model)
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        gate = [k for k in keys if k.endswith(GATE_KEYS)]
+        assert len(gate) == 4 and not any(HOLDER_NAME in k for k in keys)
+        assert {f.get_slice(k).get_dtype() for k in gate} == {"F32"}
+        assert f.get_slice("model.layers.0.linear_attn.in_proj_qkv.weight").get_dtype() == "BF16"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(loaded).__name__ == "Qwen3_5ForCausalLM"
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value.float()), key
+
+
+def test_subclass_with_own_forward_is_refused():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    class Custom(hf.Qwen3_5GatedDeltaNet):
+        pass
+
+    model = build_tiny_causal_lm()
+    gdn = _gdn_layers(model)[0]
+    gdn.__class__ = Custom
+    with pytest.raises(TypeError, match="Custom"):
+        install_fp32_gate(model)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from _dist import run_world
 from _parity import assert_close, assert_grads_match, assert_params_match
@@ -72,3 +73,60 @@ def _parity_worker(rank: int, world: int, tie: bool, dp_replicate: int) -> None:
 )
 def test_loss_and_grads_match_single_process_through_adamw_steps(world: int, tie: bool, dp_replicate: int) -> None:
     run_world(_parity_worker, world, tie, dp_replicate)
+
+
+def _partly_frozen_worker(rank: int, world: int) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    def frozen(model):
+        model.model.embed_tokens.requires_grad_(False)
+        model.model.layers[1].mlp.requires_grad_(False)
+        model.model.layers[0].linear_attn.A_log.requires_grad_(False)  # one gate parameter only
+        return model
+
+    reference = frozen(build_tiny_causal_lm(seed=0))
+    model = PARALLELIZER.apply(frozen(build_tiny_causal_lm(seed=0)), accelerate_style_mesh(world))
+    batch = random_batch(BATCH_PER_RANK * world, SEQ, reference.config.vocab_size, seed=5)
+    local = {k: v[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK] for k, v in batch.items()}
+    reference(**batch).loss.backward()
+    model(**local).loss.backward()
+    assert not model.model.layers[0].linear_attn.A_log.requires_grad
+    assert assert_grads_match(model, reference) == sum(p.requires_grad for p in reference.parameters())
+
+
+def test_partly_frozen_model_matches_single_process():
+    run_world(_partly_frozen_worker, 2)
+
+
+def _mixed_storage_worker(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.parallel.fsdp import fully_shard_by_dtype
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    # A bf16 model whose norms stay fp32 (as some checkpoints do): each fp32 norm
+    # subtree becomes a unit of its own, the rest of the layer stays one bf16 unit.
+    model = build_tiny_causal_lm(seed=0, dtype=torch.bfloat16)
+    for layer in model.model.layers:
+        layer.input_layernorm.float()
+        layer.post_attention_layernorm.float()
+    mesh = accelerate_style_mesh(world)
+    PARALLELIZER.apply(model, mesh)
+    layer = model.model.layers[0]
+    assert isinstance(layer, FSDPModule) and isinstance(layer.input_layernorm, FSDPModule)
+    assert isinstance(layer.linear_attn._fp32_params, FSDPModule) and not isinstance(layer.mlp, FSDPModule)
+    loss = model(**random_batch(2, 16, model.config.vocab_size, seed=rank)).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+    # A minority-dtype parameter held directly beside others cannot be isolated.
+    norm = build_tiny_causal_lm(seed=0, dtype=torch.bfloat16).model.layers[0].input_layernorm
+    norm.scale = torch.nn.Parameter(torch.ones(1, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"Qwen3_5RMSNorm\.scale is a trainable torch\.float32 parameter .* torch\.bfloat16"):
+        fully_shard_by_dtype(norm, mesh=mesh["dp_shard_cp"], mp_policy=MixedPrecisionPolicy())
+
+
+def test_mixed_storage_subtrees_become_separate_units_and_unsplittable_mix_raises():
+    run_world(_mixed_storage_worker, 2)

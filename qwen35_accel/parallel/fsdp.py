@@ -79,7 +79,8 @@ def fully_shard_by_dtype(
 
     Cases, by what the module's not-yet-sharded trainable parameters hold:
     1. Submodules named in `fp32_compute_module_names` (GatedDeltaNet's `_fp32_params`)
-       become units of their own with `fp32_compute_policy(mp_policy)`, first.
+       become units of their own with `fp32_compute_policy(mp_policy)`, first; they stay
+       gathered between forward and backward (`reshard_after_forward=False`).
     2. One dtype among the rest: `module` is one unit with `mp_policy`.
     3. Several: the dtype with the most elements stays with `module`; every largest
        subtree holding only another dtype becomes its own unit (same `mp_policy`, so a
@@ -109,7 +110,11 @@ def fully_shard_by_dtype(
         if sub is module or _is_fsdp(sub) or name.rsplit(".", 1)[-1] not in fp32_compute_module_names:
             continue
         if any(True for _ in _unmanaged_params(sub, ignored)):
-            holders.append(fully_shard(sub, mp_policy=fp32_compute_policy(mp_policy), **kwargs))
+            # Holders are tiny (2 x heads floats): keeping them gathered from forward to
+            # backward saves one all-gather per layer for a few bytes of memory.
+            holders.append(
+                fully_shard(sub, mp_policy=fp32_compute_policy(mp_policy), **{**kwargs, "reshard_after_forward": False})
+            )
 
     compute = mp_policy.param_dtype
     keys = _trainable_keys(module, compute, ignored)
@@ -175,3 +180,33 @@ def set_layer_prefetch(layer_units: Sequence[Sequence[FSDPModule]], *, forward_d
             behind = [u for j in range(i - 1, max(-1, i - 1 - backward_depth), -1) for u in layer_units[j]]
             if behind:
                 outer.set_modules_to_backward_prefetch(behind)
+
+
+def describe_units(model: nn.Module) -> list[dict[str, object]]:
+    """One row per FSDP2 unit of `model`, in module order, for logs, the demo and `plan`.
+
+    Row: `unit` (module path, "" for the root; a tail group lists its modules), `params`
+    (element count), `trainable`, `storage` / `compute` dtype names. Reads FSDP2's unit
+    state (`FSDPModule._get_fsdp_state()`), the supported way to reach a unit's group.
+    """
+    rows: dict[int, dict[str, object]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue  # a unit without parameters
+        if id(group) in rows:  # a later member of a multi-module unit (the tail)
+            rows[id(group)]["unit"] += f"+{name}"
+            continue
+        params = [fp.sharded_param for fp in group.fsdp_params]
+        storages = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
+        compute = group.mp_policy.param_dtype
+        rows[id(group)] = {
+            "unit": name,
+            "params": sum(p.numel() for p in params),
+            "trainable": sum(p.numel() for p in params if p.requires_grad),
+            "storage": storages,
+            "compute": str(compute).removeprefix("torch.") if compute is not None else storages,
+        }
+    return list(rows.values())

@@ -1,0 +1,90 @@
+"""Training step time: qwen35_accel's dtype-uniform units vs a single-policy per-layer wrap.
+
+    python benchmarks/fsdp_step.py [--world-size 2] [--steps 20] [--seq 512]
+
+Both models live in the same processes and their steps alternate (A, B, A, B, …), so
+machine noise hits both alike. Both use a bf16 compute / fp32 reduce policy on fp32
+master weights:
+- ours: `PARALLELIZER.apply` (per decoder layer: an fp32 gate-holder unit + the layer);
+- baseline: Accelerate's shape: everything fp32, `fully_shard` per decoder layer, the
+  embedding, tail [norm, lm_head], root; one bf16 policy (gate computed from bf16).
+Reports the median step time of each (rank 0) and the ratio ours / baseline (target ≤ 1.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def _worker(rank: int, world: int, steps: int, seq: int, warmup: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    shape = dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+        linear_value_head_dim=32, vocab_size=2048,
+    )
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    ours = PARALLELIZER.apply(build_tiny_causal_lm(seed=0, **shape), mesh, mp_policy=policy)
+    baseline = build_tiny_causal_lm(seed=0, **shape)
+    for layer in baseline.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(baseline.model.embed_tokens, mesh=mesh, mp_policy=policy)
+    fully_shard([baseline.model.norm, baseline.lm_head], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(baseline, mesh=mesh, mp_policy=policy)
+
+    models = {"qwen35_accel": ours, "baseline": baseline}
+    optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
+    times: dict[str, list[float]] = {k: [] for k in models}
+    batch = random_batch(1, seq, shape["vocab_size"], seed=rank)
+    for step in range(warmup + steps):
+        for name, model in models.items():
+            dist.barrier()
+            start = time.perf_counter()
+            model(**batch).loss.backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad()
+            dist.barrier()
+            if step >= warmup:
+                times[name].append(time.perf_counter() - start)
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratio = med["qwen35_accel"] / med["baseline"]
+        # Paired: each step of ours against the baseline step right after it.
+        paired = statistics.median(a / b for a, b in zip(times["qwen35_accel"], times["baseline"]))
+        print(f"world {world}, seq {seq}, {steps} measured steps each (alternating), bf16 compute / fp32 reduce\n")
+        print("| wrap | median step (ms) |")
+        print("|---|---|")
+        for k, v in med.items():
+            print(f"| {k} | {1e3 * v:.1f} |")
+        print(f"\nratio of medians qwen35_accel / baseline: {ratio:.3f}; median of paired step ratios: {paired:.3f} (target <= 1.05)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=512)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from qwen35_accel.local_world import run_local_world
+
+    run_local_world(_worker, args.world_size, args.steps, args.seq, args.warmup)
+
+
+if __name__ == "__main__":
+    main()

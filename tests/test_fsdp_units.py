@@ -1,0 +1,62 @@
+"""The FSDP2 units PARALLELIZER.apply makes: dtype-uniform per layer, tail, prefetch order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+from _dist import run_world
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _units_worker(rank: int, world: int) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.parallel.fsdp import describe_units
+    from qwen35_accel.tiny import build_tiny_causal_lm
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    model = PARALLELIZER.apply(build_tiny_causal_lm(num_hidden_layers=6), mesh, mp_policy=policy)
+    units = {row["unit"]: row for row in describe_units(model)}
+    gdn_layers = [i for i, l in enumerate(model.model.layers) if l.block_type == "linear_attention"]
+    expected = {"model.embed_tokens", "model.norm+lm_head"}  # the root unit is left with no parameters
+    expected |= {f"model.layers.{i}" for i in range(6)}
+    expected |= {f"model.layers.{i}.linear_attn._fp32_params" for i in gdn_layers}
+    assert set(units) == expected, sorted(units)
+    for i in gdn_layers:
+        holder = units[f"model.layers.{i}.linear_attn._fp32_params"]
+        assert (holder["storage"], holder["compute"], holder["params"]) == ("float32", "float32", 2 * 4)
+    assert {units[f"model.layers.{i}"]["compute"] for i in range(6)} == {"bfloat16"}
+    # Sizes add up: every parameter is in exactly one unit.
+    assert sum(r["params"] for r in units.values()) == sum(p.numel() for p in model.parameters())
+
+    # Explicit prefetch: layer i gathers layer i+1's units ahead in forward (depth 1) and
+    # layers i-1, i-2 in backward (depth 2).
+    name_of = {m: n for n, m in model.named_modules()}
+
+    def prefetch(i, kind):
+        state = model.model.layers[i]._get_fsdp_state()
+        states = state._states_to_forward_prefetch if kind == "forward" else state._states_to_backward_prefetch
+        return [name_of[s._modules[0]] for s in states]
+
+    assert prefetch(0, "forward") == ["model.layers.1", "model.layers.1.linear_attn._fp32_params"]
+    assert prefetch(3, "backward") == ["model.layers.2", "model.layers.1", "model.layers.1.linear_attn._fp32_params"]
+    assert prefetch(5, "forward") == []
+
+    off = PARALLELIZER.apply(build_tiny_causal_lm(num_hidden_layers=6), mesh, enable_fsdp2_prefetch=False)
+    assert off.model.layers[0]._get_fsdp_state()._states_to_forward_prefetch == []
+
+    # Tied embeddings: one unit owns the shared weight (the tail, with the embedding first).
+    tied = PARALLELIZER.apply(build_tiny_causal_lm(tie_word_embeddings=True), mesh)
+    names = [row["unit"] for row in describe_units(tied)]
+    assert "model.embed_tokens+model.norm+lm_head" in names and "model.embed_tokens" not in names
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert isinstance(tied.lm_head, FSDPModule)
+
+
+def test_units_are_dtype_uniform_and_prefetch_follows_layer_order():
+    run_world(_units_worker, 2)

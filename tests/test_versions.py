@@ -1,0 +1,42 @@
+"""The import-time version check names every unsupported version."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import pytest
+
+from qwen35_accel import _versions
+
+
+def test_release_parsing_drops_local_and_pre_release_tags():
+    assert _versions._release("2.13.0+cpu") == (2, 13, 0)
+    assert _versions._release("5.24.0.dev0") == (5, 24, 0)
+    assert _versions._release("2.14.0rc1") == (2, 14, 0)
+
+
+def test_installed_versions_are_supported():
+    found = _versions.check_versions()
+    assert set(found) >= {"torch", "transformers"}
+
+
+def test_unsupported_versions_raise_import_error_naming_each(monkeypatch):
+    fake = {"torch": "2.12.1", "transformers": "4.57.0", "accelerate": "1.15.0"}
+    monkeypatch.setattr(_versions.metadata, "version", lambda name: fake[name])
+    with pytest.raises(ImportError) as err:
+        _versions.check_versions()
+    message = str(err.value)
+    assert "torch 2.12.1 is installed; qwen35-accel supports torch>=2.13,<3" in message
+    assert "transformers 4.57.0 is installed; qwen35-accel supports transformers>=5.24,<6" in message
+    assert "accelerate" not in message.split("Install a supported set")[0]
+
+
+def test_missing_required_package_is_reported(monkeypatch):
+    def version(name):
+        if name == "transformers":
+            raise metadata.PackageNotFoundError(name)
+        return {"torch": "2.13.0", "accelerate": "1.15.0"}[name]
+
+    monkeypatch.setattr(_versions.metadata, "version", version)
+    with pytest.raises(ImportError, match="transformers is not installed"):
+        _versions.check_versions()

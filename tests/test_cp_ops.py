@@ -126,3 +126,39 @@ def _cp_ops_worker(rank: int, cp: int, seqs: tuple[int, ...]) -> None:
 )
 def test_cp_gated_delta_rule_and_conv_match_single_process(cp, seqs):
     run_world(_cp_ops_worker, cp, seqs)
+
+
+def _comm_elements(fn) -> list[tuple[str, int]]:
+    """(collective, elements sent) of every gloo collective `fn` runs, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    rows = []
+    for event in prof.events():
+        if event.name.startswith("gloo:"):
+            numel = sum(int(torch.Size(shape).numel()) for shape in event.input_shapes if shape)
+            rows.append((event.name, numel))
+    return rows
+
+
+def _comm_worker(rank: int, cp: int) -> None:
+    from qwen35_accel.parallel.context_parallel.gated_delta_net import cp_gated_delta_rule
+
+    measured = {}
+    for seq in (256, 2048):
+        local = [shard_sequence(t, cp, rank).requires_grad_() for t in _inputs(seq, seed=0)]
+        out = {}
+        forward = _comm_elements(lambda: out.update(y=cp_gated_delta_rule(*local, group=dist.group.WORLD)))
+        backward = _comm_elements(lambda: out["y"].sum().backward())
+        measured[seq] = (forward, backward)
+    assert measured[256] == measured[2048], measured
+    forward, backward = measured[256]
+    # One all-gather of this rank's two (M, U) summaries: 2 x [B, V_HEADS, K_DIM, K_DIM + V_DIM].
+    assert forward == [("gloo:all_gather", 2 * B * V_HEADS * K_DIM * (K_DIM + V_DIM))], forward
+    assert [name for name, _ in backward] == ["gloo:all_reduce"], backward
+
+
+@pytest.mark.multiprocess
+def test_gated_delta_net_cp_communication_does_not_grow_with_sequence():
+    run_world(_comm_worker, 2)

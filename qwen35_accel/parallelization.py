@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .model.detect import qwen35_parts
 from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
@@ -191,15 +191,17 @@ class Qwen3_5ModelParallelizer:
         # The tail runs last in forward and first in backward: resharding it after
         # forward would only add an all-gather that nothing can hide.
         tail = [m for m in ((parts.embed_tokens,) if tied else ()) + (parts.final_norm, parts.lm_head) if m is not None]
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(
-            tail,
-            mesh=mesh,
-            reshard_after_forward=False,
-            mp_policy=policy,
-            offload_policy=offload_policy or OffloadPolicy(),
-        )
+        tail_dtypes = {p.dtype for m in tail for p in m.parameters() if p.requires_grad}
+        if len(tail_dtypes) <= 1:
+            fully_shard(tail, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload_policy or OffloadPolicy())
+        elif not tied:  # e.g. an fp32 final norm beside a bf16 lm_head: one unit each
+            for m in tail:
+                fully_shard_by_dtype(m, reshard_after_forward=False, **common)
+        else:
+            raise ValueError(
+                f"the tied embedding/lm_head and the final norm hold trainable parameters of dtypes {sorted(map(str, tail_dtypes))}; "
+                "they must share one FSDP2 unit, which needs one dtype. Cast the final norm to the embedding's dtype."
+            )
         # Root: FSDP2's default (None) keeps the root gathered after forward.
         fully_shard_by_dtype(module, reshard_after_forward=None, ignored_params=ignored, **common)
 

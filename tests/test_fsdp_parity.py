@@ -112,11 +112,14 @@ def _mixed_storage_worker(rank: int, world: int) -> None:
     for layer in model.model.layers:
         layer.input_layernorm.float()
         layer.post_attention_layernorm.float()
+    model.model.norm.float()  # the final norm too: the tail splits into norm and lm_head units
     mesh = accelerate_style_mesh(world)
     PARALLELIZER.apply(model, mesh)
     layer = model.model.layers[0]
     assert isinstance(layer, FSDPModule) and isinstance(layer.input_layernorm, FSDPModule)
     assert isinstance(layer.linear_attn._fp32_params, FSDPModule) and not isinstance(layer.mlp, FSDPModule)
+    norm_group = model.model.norm._get_fsdp_state()._fsdp_param_group
+    assert norm_group is not model.lm_head._get_fsdp_state()._fsdp_param_group
     loss = model(**random_batch(2, 16, model.config.vocab_size, seed=rank)).loss
     loss.backward()
     assert torch.isfinite(loss)

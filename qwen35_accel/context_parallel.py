@@ -1,0 +1,96 @@
+"""Context parallelism for custom training loops: shard a batch, gather a sequence.
+
+Layout: the sequence is cut into 2·cp chunks; rank r of the cp group holds chunks r and
+2·cp−1−r (balanced causal work). Positions travel with the tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .parallel.context_parallel.collectives import all_gather_with_grad
+from .parallel.context_parallel.layout import pad_for_context_parallel, shard_sequence, unshard_sequence
+
+IGNORE_INDEX = -100
+
+__all__ = ["shard_batch", "gather_sequence"]
+
+
+def _check_right_padding(attention_mask: torch.Tensor) -> None:
+    mask = attention_mask.bool()
+    # Right padding: once a row's mask drops to 0 it stays 0.
+    if (mask[:, 1:] & ~mask[:, :-1]).any():
+        raise ValueError(
+            "context parallelism supports right padding only; this attention_mask has a padded token before a real one "
+            "(left padding or holes). Use padding_side='right' in the tokenizer/collator."
+        )
+
+
+def _check_not_packed(position_ids: torch.Tensor) -> None:
+    # Only text positions [batch, seq] are checked: multimodal RoPE positions legitimately
+    # stand still or jump across image tokens.
+    if position_ids.dim() == 2 and (position_ids[:, 1:] - position_ids[:, :-1] != 1).any():
+        raise ValueError(
+            "position_ids restart or jump inside a row (packed sequences); context parallelism does not support packed "
+            "sequences yet. Disable packing (e.g. padding-free collators) for CP runs."
+        )
+
+
+def shard_batch(batch: dict[str, Any], cp_mesh: DeviceMesh) -> dict[str, Any]:
+    """This rank's part of a causal-LM batch for a cp group; `batch` is the same on every rank.
+
+    Reads `input_ids` [batch, seq] (required), `labels`, `shift_labels`, `position_ids`
+    ([batch, seq] or [3, batch, seq]), `attention_mask` [batch, seq] (right padding only).
+    Returns the same keys sharded along the sequence, plus `position_ids` holding global
+    positions (arange when absent) and `shift_labels` (labels shifted left, −100 at the
+    end) when `labels` is given, since the next token of a chunk's last token lives on
+    another rank. Lengths not divisible by 2·cp are right-padded (pad id 0, labels −100,
+    mask 0). Other keys are passed through unchanged.
+    Raises ValueError for left padding and packed sequences (position_ids restarting).
+    """
+    cp = cp_mesh.size()
+    rank = cp_mesh.get_local_rank()
+    input_ids = batch["input_ids"]
+    seq = input_ids.shape[1]
+    out = dict(batch)
+    if batch.get("attention_mask") is not None:
+        _check_right_padding(batch["attention_mask"])
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=input_ids.device).expand(input_ids.shape[0], seq)
+    else:
+        _check_not_packed(position_ids)
+    if batch.get("labels") is not None and batch.get("shift_labels") is None:
+        labels = batch["labels"]
+        out["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+    out["position_ids"] = position_ids
+
+    for key, fill in (("input_ids", 0), ("labels", IGNORE_INDEX), ("shift_labels", IGNORE_INDEX), ("attention_mask", 0)):
+        if out.get(key) is not None:
+            out[key] = shard_sequence(pad_for_context_parallel(out[key], cp, 1, fill), cp, rank, 1)
+    seq_dim = position_ids.dim() - 1
+    # Padded positions continue the sequence, so rotary stays finite and causal order holds.
+    padded = pad_for_context_parallel(position_ids, cp, seq_dim, 0)
+    if padded.shape[seq_dim] != seq:
+        extra = torch.arange(seq, padded.shape[seq_dim], device=padded.device)
+        padded = padded.clone()
+        padded[..., seq:] = position_ids[..., -1:] + 1 + (extra - seq)
+    out["position_ids"] = shard_sequence(padded, cp, rank, seq_dim)
+    return out
+
+
+def gather_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh, seq_dim: int = 1) -> torch.Tensor:
+    """Inverse of the layout: every rank's local part -> the whole (padded) sequence.
+
+    Autograd-aware: the gradient of each rank's local part is the sum over ranks of the
+    gradients of its slice of the result (so compute a loss on the result on one rank,
+    or divide by cp when every rank computes the same loss).
+    """
+    cp = cp_mesh.size()
+    group = cp_mesh.get_group()
+    gathered = all_gather_with_grad(tensor, group)
+    return unshard_sequence(list(gathered.unbind(0)), cp, seq_dim)

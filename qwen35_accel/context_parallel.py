@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .parallel.context_parallel.collectives import all_gather_with_grad
@@ -67,18 +66,15 @@ def shard_batch(batch: dict[str, Any], cp_mesh: DeviceMesh) -> dict[str, Any]:
     if batch.get("labels") is not None and batch.get("shift_labels") is None:
         labels = batch["labels"]
         out["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
-    out["position_ids"] = position_ids
 
     for key, fill in (("input_ids", 0), ("labels", IGNORE_INDEX), ("shift_labels", IGNORE_INDEX), ("attention_mask", 0)):
         if out.get(key) is not None:
             out[key] = shard_sequence(pad_for_context_parallel(out[key], cp, 1, fill), cp, rank, 1)
     seq_dim = position_ids.dim() - 1
+    pad = (-seq) % (2 * cp)
     # Padded positions continue the sequence, so rotary stays finite and causal order holds.
-    padded = pad_for_context_parallel(position_ids, cp, seq_dim, 0)
-    if padded.shape[seq_dim] != seq:
-        extra = torch.arange(seq, padded.shape[seq_dim], device=padded.device)
-        padded = padded.clone()
-        padded[..., seq:] = position_ids[..., -1:] + 1 + (extra - seq)
+    extra = position_ids[..., -1:] + torch.arange(1, pad + 1, device=position_ids.device)
+    padded = torch.cat([position_ids, extra], dim=seq_dim)
     out["position_ids"] = shard_sequence(padded, cp, rank, seq_dim)
     return out
 

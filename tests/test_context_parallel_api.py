@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_world
@@ -14,6 +13,7 @@ pytestmark = pytest.mark.multiprocess
 
 def _api_worker(rank: int, world: int) -> None:
     from qwen35_accel.context_parallel import gather_sequence, shard_batch
+    from qwen35_accel.parallel.context_parallel.layout import shard_sequence
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     cp = world
@@ -34,8 +34,6 @@ def _api_worker(rank: int, world: int) -> None:
     x = local["position_ids"].float().requires_grad_()
     weights = torch.arange(24.0).reshape(2, 12)
     (gather_sequence(x, mesh) * weights).sum().backward()  # every rank: same loss
-    from qwen35_accel.parallel.context_parallel.layout import shard_sequence
-
     assert torch.equal(x.grad, cp * shard_sequence(weights, cp, rank))
 
     with pytest.raises(ValueError, match="right padding only"):

@@ -98,8 +98,7 @@ def fully_shard_by_dtype(
         fp32_compute_module_names: last names of submodules that must compute in fp32.
         ignored_params: parameters FSDP2 must leave alone (replicated on every rank).
 
-    Returns: the units made, in forward order (holders after the unit that calls them
-    is irrelevant to FSDP2; the order is outer unit first, then holders).
+    Returns: the units made: the outer unit first, then split subtrees, then holders.
     """
     ignored = set(ignored_params or ())
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload_policy or OffloadPolicy())

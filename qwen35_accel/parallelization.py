@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from .model.detect import qwen35_parts
 from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
 from .parallel.activation_checkpointing import apply_activation_checkpointing
+from .parallel.context_parallel.model import check_context_parallel_supported, install_context_parallel
 from .parallel.fsdp import fully_shard_by_dtype, set_layer_prefetch
 
 __all__ = ["PARALLELIZER"]
@@ -76,8 +77,10 @@ class Qwen3_5ModelParallelizer:
         """Parallelize `model` over `device_mesh` and return it (the same object).
 
         Steps: fp32 gate holders (`install_fp32_gate`), TP (tp > 1: not yet), activation
-        checkpointing per decoder layer, dtype-uniform FSDP2 units (`apply_fsdp_sharding`),
-        CP (cp > 1: not yet).
+        checkpointing per decoder layer, dtype-uniform FSDP2 units (`apply_fsdp_sharding`)
+        over `dp_shard_cp`, then CP (cp > 1: `install_context_parallel` on the `cp` dim;
+        the model then expects each rank's part of the batch, see
+        `qwen35_accel.context_parallel.shard_batch`).
 
         Preconditions: `torch.distributed` is initialised; `model` is a dense Qwen3.5
         model (TypeError otherwise) not yet sharded; `device_mesh` has a dim (own or
@@ -98,13 +101,15 @@ class Qwen3_5ModelParallelizer:
                 f"device_mesh has no dim named {dp_shard_cp_mesh_name!r} (dims: {names}). Pass the name of the FSDP shard "
                 f"dim as dp_shard_cp_mesh_name, or build the mesh with it (Accelerate's ParallelismConfig names it 'dp_shard_cp')."
             )
-        for what, name in (("context parallelism", cp_mesh_name), ("tensor parallelism", tp_mesh_name)):
-            size = mesh_dim_size(device_mesh, name)
-            if size > 1:
-                raise NotImplementedError(
-                    f"{what} is not implemented yet in qwen35_accel (mesh dim {name!r} has size {size}); use a mesh "
-                    f"where {name!r} is absent or of size 1."
-                )
+        tp_size = mesh_dim_size(device_mesh, tp_mesh_name)
+        if tp_size > 1:
+            raise NotImplementedError(
+                f"tensor parallelism is not implemented yet in qwen35_accel (mesh dim {tp_mesh_name!r} has size "
+                f"{tp_size}); use a mesh where {tp_mesh_name!r} is absent or of size 1."
+            )
+        cp_size = mesh_dim_size(device_mesh, cp_mesh_name)
+        if cp_size > 1:
+            check_context_parallel_supported(model)
         if mesh_dim_size(device_mesh, dp_replicate_mesh_name) > 1:
             fsdp_mesh = device_mesh[(dp_replicate_mesh_name, dp_shard_cp_mesh_name)]
         else:
@@ -124,12 +129,16 @@ class Qwen3_5ModelParallelizer:
             reshard_after_forward=reshard_after_forward,
             frozen_multimodal_sharding=frozen_multimodal_sharding,
         )
+        if cp_size > 1:
+            install_context_parallel(model, device_mesh[cp_mesh_name])
         logger.info(
-            "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s)",
+            "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s, "
+            "cp: %d)",
             type(model).__name__,
             fsdp_mesh,
             converted,
             activation_checkpointing,
+            cp_size,
         )
         return model
 

@@ -138,11 +138,7 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
             if cache is not None:
                 mixed_qkv = mixed_qkv[:, :, -seq_len:]
 
-        mixed_qkv = mixed_qkv.transpose(1, 2)
-        query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        query = query.reshape(batch_size, seq_len, -1, self.head_k_dim)
-        key = key.reshape(batch_size, seq_len, -1, self.head_k_dim)
-        value = value.reshape(batch_size, seq_len, -1, self.head_v_dim)
+        query, key, value = self._split_heads(mixed_qkv.transpose(1, 2))
 
         beta = b.sigmoid()
         # Through the holder's forward: under FSDP2 this is what gathers A_log/dt_bias in fp32.
@@ -164,6 +160,20 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         if cache is not None:
             cache.update_recurrent_state(last_recurrent_state, self.layer_idx)
 
+        return self._gated_output(core_attn_out, z)
+
+    def _split_heads(self, mixed_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Post-conv [batch, seq, conv_dim] -> query, key [batch, seq, k_heads, k_dim], value [batch, seq, v_heads, v_dim]."""
+        batch_size, seq_len, _ = mixed_qkv.shape
+        query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(batch_size, seq_len, -1, self.head_k_dim)
+        key = key.reshape(batch_size, seq_len, -1, self.head_k_dim)
+        value = value.reshape(batch_size, seq_len, -1, self.head_v_dim)
+        return query, key, value
+
+    def _gated_output(self, core_attn_out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm per head and `out_proj`: [batch, seq, v_heads, v_dim] -> [batch, seq, hidden]."""
+        batch_size, seq_len = core_attn_out.shape[:2]
         core_attn_out = self.norm(core_attn_out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core_attn_out.reshape(batch_size, seq_len, -1))
 

@@ -10,11 +10,15 @@ the last K−1 pre-conv inputs before each chunk: a halo, also independent of th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from ...model.fp32_gate import HOLDER_NAME, Fp32GateGatedDeltaNet
 from ...ops.gated_delta import Kernel, chunk_summary, fold_states, read_state
 from .collectives import all_gather_with_grad
 from .layout import chunk_owner, rank_chunks
@@ -84,7 +88,6 @@ def cp_causal_conv1d(
     gathered = all_gather_with_grad(torch.stack([c[..., c.shape[-1] - tail :] for c in chunks]), group)
     outputs = []
     for chunk_index, chunk in zip(rank_chunks(rank, cp), chunks):
-        # The halo: the last `halo` inputs of everything before this chunk.
         # The halo: the last `halo` inputs of everything before this chunk; chunks shorter
         # than the halo need several predecessors.
         needed = -(-halo // tail) if tail else 0
@@ -96,3 +99,50 @@ def cp_causal_conv1d(
             out = ACT2FN[activation](out)
         outputs.append(out.to(x.dtype))
     return torch.cat(outputs, dim=-1)
+
+
+class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
+    """GatedDeltaNet whose forward runs over a sequence sharded across a cp group.
+
+    Made by `install_context_parallel` (class swap of an `Fp32GateGatedDeltaNet`, no new
+    weights). With `_cp_group` set, `hidden_states` [batch, local_seq, hidden] are this
+    rank's two layout chunks and the output equals the single-process layer's output at
+    those tokens. Without a group it is the `Fp32GateGatedDeltaNet` forward.
+    """
+
+    _cp_group: dist.ProcessGroup | None = None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache: Any | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        group = self._cp_group
+        if group is None:
+            return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        if cache is not None or kwargs.get("cache_params") is not None:
+            raise NotImplementedError(
+                "GatedDeltaNet under context parallelism does not support a cache (generation); run generation on a "
+                "model without context parallelism."
+            )
+        if kwargs.get("cu_seq_lens_q") is not None:
+            raise NotImplementedError("packed sequences (cu_seq_lens_q) are not supported under context parallelism")
+        # Right padding only (checked by shard_batch): zeroing padded tokens changes nothing
+        # before them, exactly as in the single-process layer.
+        hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
+        batch_size, seq_len, _ = hidden_states.shape
+        mixed_qkv = cp_causal_conv1d(
+            self.in_proj_qkv(hidden_states).transpose(1, 2),
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            group=group,
+            activation=self.activation,
+        )
+        z = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.head_v_dim)
+        beta = self.in_proj_b(hidden_states).sigmoid()
+        g = getattr(self, HOLDER_NAME)(self.in_proj_a(hidden_states))
+        query, key, value = self._split_heads(mixed_qkv.transpose(1, 2))
+        core_attn_out = cp_gated_delta_rule(query, key, value, g, beta, group=group)
+        return self._gated_output(core_attn_out, z)

@@ -1,0 +1,136 @@
+"""Qwen3.5's gated full attention under context parallelism: an all-gather of K and V.
+
+Every rank all-gathers the (GQA-sized, post-norm, post-rotary) keys and values of the
+cp group, restores sequence order, and attends each of its two query chunks causally by
+global position to the keys up to that chunk's end. Queries, the output gate and
+`o_proj` stay local. Positions travel with the tokens (rotary comes from the sharded
+global `position_ids`), so partial and multimodal RoPE need nothing extra.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from .collectives import all_gather_with_grad
+from .layout import rank_chunks, unshard_sequence
+
+# Attention implementations whose mask handling is exact here (an explicit causal mask
+# per query chunk). Others (flash attention kernels) would need their own alignment rules.
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def _chunk_mask(chunk_len: int, chunk_index: int, dtype: torch.dtype, device: torch.device, boolean: bool) -> torch.Tensor:
+    """[1, 1, chunk_len, (chunk_index+1)·chunk_len]: query i of chunk `chunk_index` sees keys ≤ its global index."""
+    keys = (chunk_index + 1) * chunk_len
+    query_pos = chunk_index * chunk_len + torch.arange(chunk_len, device=device)
+    allowed = torch.arange(keys, device=device)[None, :] <= query_pos[:, None]
+    if boolean:
+        return allowed[None, None]
+    return torch.zeros(chunk_len, keys, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def cp_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    implementation: str,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sharded sequence.
+
+    `query` [batch, heads, local_seq, head_dim], `key`/`value` [batch, kv_heads,
+    local_seq, head_dim], local tokens in layout order (two equal chunks). Returns
+    [batch, local_seq, heads, head_dim] like Transformers' attention functions.
+    Communication: one all-gather of K and V ([2, batch, kv_heads, local_seq, head_dim]
+    per rank) and its reduction in backward.
+    """
+    if implementation not in SUPPORTED_ATTENTION:
+        raise NotImplementedError(
+            f"attention implementation {implementation!r} is not supported under context parallelism; "
+            f"load the model with attn_implementation in {SUPPORTED_ATTENTION}"
+        )
+    interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(implementation, hf.eager_attention_forward)
+    cp = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    gathered = all_gather_with_grad(torch.stack([key, value]), group)  # [cp, 2, batch, kv_heads, local_seq, dim]
+    full_key, full_value = unshard_sequence(list(gathered.unbind(0)), cp, seq_dim=3).unbind(0)
+    chunk_len = query.shape[2] // 2
+    outputs = []
+    for slot, chunk_index in enumerate(rank_chunks(rank, cp)):
+        end = (chunk_index + 1) * chunk_len
+        mask = _chunk_mask(chunk_len, chunk_index, query.dtype, query.device, boolean=implementation == "sdpa")
+        out, _ = interface(
+            module,
+            query[:, :, slot * chunk_len : (slot + 1) * chunk_len],
+            full_key[:, :, :end],
+            full_value[:, :, :end],
+            mask,
+            dropout=dropout,
+            scaling=scaling,
+            **kwargs,
+        )
+        outputs.append(out)
+    return torch.cat(outputs, dim=1)
+
+
+class ContextParallelAttention(hf.Qwen3_5Attention):
+    """Qwen3_5Attention whose attention spans a sequence sharded across a cp group.
+
+    Made by `install_context_parallel` (class swap, no new weights). With `_cp_group`
+    set, inputs are this rank's two layout chunks with their global rotary embeddings;
+    the output equals the single-process layer's at those tokens. The incoming
+    `attention_mask` is not used: right padding (the only padding CP accepts) never
+    precedes a real token, so causality alone gives the real tokens' outputs.
+    """
+
+    _cp_group: dist.ProcessGroup | None = None
+
+    def forward(  # type: ignore[override]
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache: Any | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        group = self._cp_group
+        if group is None:
+            return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        if cache is not None or kwargs.get("past_key_values") is not None:
+            raise NotImplementedError(
+                "attention under context parallelism does not support a cache (generation); run generation on a model "
+                "without context parallelism."
+            )
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states, gate = torch.chunk(self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(*input_shape, -1)
+        query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = hf.apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        attn_output = cp_attention(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            group=group,
+            implementation=self.config._attn_implementation,
+            scaling=self.scaling,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = attn_output * torch.sigmoid(gate)
+        return self.o_proj(attn_output), None

@@ -1,0 +1,148 @@
+"""Context parallelism at model level: PARALLELIZER.apply with cp > 1 equals the
+single-process Transformers model (fp32: loss, every gradient, gathered logits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_world
+from _parity import assert_close, assert_grads_match
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+pytestmark = pytest.mark.multiprocess
+
+
+def cp_mesh(world: int, cp: int):
+    """Accelerate's mesh layout: (dp_replicate, dp_shard, cp, tp) + flattened dp_shard_cp."""
+    mesh = init_device_mesh("cpu", (1, world // cp, cp, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh
+
+
+def _padded_batch(rows: int, seq: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random tokens, labels = input_ids, the last row right-padded by 5 tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (rows, seq), generator=gen)
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    mask[-1, seq - 5 :] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _cp_parity_worker(rank: int, world: int, cp: int, seq: int, padded: bool, activation_checkpointing: bool) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import gather_sequence, shard_batch
+    from qwen35_accel.parallel.context_parallel.attention import (
+        ContextParallelAttention,
+    )
+    from qwen35_accel.parallel.context_parallel.gated_delta_net import (
+        ContextParallelGatedDeltaNet,
+    )
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    dp = world // cp
+    rows_per_replica = 2
+    reference = build_tiny_causal_lm(seed=0)
+    model = build_tiny_causal_lm(seed=0)
+    mesh = cp_mesh(world, cp)
+    PARALLELIZER.apply(model, mesh, activation_checkpointing=activation_checkpointing)
+    assert isinstance(model.model.layers[0].linear_attn, ContextParallelGatedDeltaNet)
+    assert isinstance(model.model.layers[2].self_attn, ContextParallelAttention)
+
+    vocab = reference.config.vocab_size
+    if padded:
+        batch = _padded_batch(rows_per_replica * dp, seq, vocab, seed=7)
+    else:
+        batch = random_batch(rows_per_replica * dp, seq, vocab, seed=7)
+    replica = mesh["dp_shard"].get_local_rank()
+    rows = slice(replica * rows_per_replica, (replica + 1) * rows_per_replica)
+    replica_batch = {k: v[rows] for k, v in batch.items()}
+
+    ref_out = reference(**batch)
+    ref_out.loss.backward()
+    ref_replica_logits = reference(**replica_batch).logits.detach()
+
+    local = shard_batch(replica_batch, mesh["cp"])
+    out = model(**local)
+    out.loss.backward()
+
+    # Every rank reports its cp group's mean; dp replicas hold equal token counts here.
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh["dp_shard"].get_group())
+    assert_close(loss, ref_out.loss.detach(), "loss")
+    logits = gather_sequence(out.logits.detach(), mesh["cp"])[:, :seq]
+    # Real tokens only: a padded query's output is not defined (Transformers masks padded
+    # keys for it, CP does not need to), and padded tokens carry no loss.
+    real = replica_batch.get("attention_mask", torch.ones(rows_per_replica, seq)).bool()
+    assert_close(logits[real], ref_replica_logits[real], "gathered logits")
+    assert assert_grads_match(model, reference) == sum(1 for _ in reference.parameters())
+
+
+@pytest.mark.parametrize(
+    "world,cp,seq,padded,ac",
+    [
+        (2, 2, 30, True, False),  # padded to 32 (2·cp divides), right padding inside the batch
+        (2, 2, 32, False, True),  # activation checkpointing: the recompute repeats the collectives
+        (4, 4, 32, False, False),  # local chunks of 4 tokens: the conv halo spans one chunk
+        (4, 2, 32, False, False),  # dp 2 × cp 2
+    ],
+    ids=["cp2-padded", "cp2-ac", "cp4", "dp2xcp2"],
+)
+def test_cp_loss_grads_and_logits_match_single_process(world: int, cp: int, seq: int, padded: bool, ac: bool) -> None:
+    run_world(_cp_parity_worker, world, cp, seq, padded, ac)
+
+
+def _cp_bf16_worker(rank: int, world: int) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    reference = build_tiny_causal_lm(seed=0)
+    model = build_tiny_causal_lm(seed=0)
+    mesh = cp_mesh(world, world)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    PARALLELIZER.apply(model, mesh, mp_policy=policy)
+    seen = []
+    for layer in model.model.layers:
+        if layer.block_type == "linear_attention":
+            holder = layer.linear_attn._fp32_params
+            holder.register_forward_hook(lambda m, a, o: seen.append((m.A_log.dtype, m.dt_bias.dtype, o.dtype)))
+            layer.linear_attn.in_proj_qkv.register_forward_hook(lambda m, a, o: seen.append((m.weight.dtype,)))
+    batch = random_batch(2, 32, reference.config.vocab_size, seed=3)
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    loss = model(**shard_batch(batch, mesh["cp"])).loss
+    loss.backward()
+    assert (torch.float32, torch.float32, torch.float32) in seen and (torch.bfloat16,) in seen
+    assert_close(loss.detach(), ref_loss.detach(), "bf16 loss", rtol=2e-2, atol=2e-2)
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad.full_tensor()).all(), name
+
+
+def test_cp_bf16_policy_within_bf16_tolerance_gate_in_fp32():
+    run_world(_cp_bf16_worker, 2)
+
+
+def _cp_bad_input_worker(rank: int, world: int) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0), cp_mesh(world, world))
+    batch = random_batch(2, 8, model.config.vocab_size, seed=0)
+    with pytest.raises(ValueError, match="shift_labels"):
+        model(**batch)  # labels without shift_labels: cannot be shifted inside a chunk
+    with pytest.raises(ValueError, match=r"local length is 7 \(odd\)"):
+        model(input_ids=batch["input_ids"][:, :7])
+    with pytest.raises(NotImplementedError, match="cache"):
+        model(input_ids=batch["input_ids"], cache=object())
+
+    eager = build_tiny_causal_lm(seed=0)
+    eager.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(NotImplementedError, match=r"attn_implementation in \('sdpa', 'eager'\).*'flash_attention_2'"):
+        PARALLELIZER.apply(eager, cp_mesh(world, world))
+
+
+def test_cp_rejects_what_it_cannot_compute_exactly():
+    run_world(_cp_bad_input_worker, 2)

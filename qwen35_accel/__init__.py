@@ -21,7 +21,19 @@ _LAZY = {
     "is_dense_qwen35": ("qwen35_accel.model.detect", "is_dense_qwen35"),
 }
 
-__all__ = ["__version__", *_LAZY]
+
+def install() -> bool:
+    """Activate the Accelerate plugin in this process now (idempotent; imports Accelerate).
+
+    Works whatever `QWEN35_ACCEL` says (an explicit call wins). Returns False, with a
+    warning, when the installed Accelerate is outside the plugin's tested range.
+    """
+    from .integrations.accelerate import install as _install
+
+    return _install()
+
+
+__all__ = ["__version__", "install", *_LAZY]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .model.detect import is_dense_qwen35

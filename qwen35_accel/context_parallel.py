@@ -6,17 +6,19 @@ Layout: the sequence is cut into 2·cp chunks; rank r of the cp group holds chun
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .parallel.context_parallel.collectives import all_gather_with_grad
-from .parallel.context_parallel.layout import pad_for_context_parallel, shard_sequence, unshard_sequence
+from .parallel.context_parallel.layout import check_divisible, pad_for_context_parallel, shard_sequence, unshard_sequence
 
 IGNORE_INDEX = -100
 
-__all__ = ["shard_batch", "gather_sequence"]
+__all__ = ["shard_batch", "gather_sequence", "sharded_buffers"]
 
 
 def _check_right_padding(attention_mask: torch.Tensor) -> None:
@@ -90,3 +92,39 @@ def gather_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh, seq_dim: int = 1)
     group = cp_mesh.get_group()
     gathered = all_gather_with_grad(tensor, group)
     return unshard_sequence(list(gathered.unbind(0)), cp, seq_dim)
+
+
+@contextlib.contextmanager
+def sharded_buffers(
+    buffers: Sequence[torch.Tensor],
+    seq_dims: Sequence[int] | None,
+    no_restore: set[torch.Tensor] | None,
+    cp_mesh: DeviceMesh,
+) -> Iterator[None]:
+    """Shard `buffers` in place along their `seq_dims` (default 1) with the CP layout.
+
+    The in-place form of `shard_batch` that Accelerate's `maybe_context_parallel` needs
+    (the Trainer passes `input_ids`, `labels`, `shift_labels`, `attention_mask`,
+    `position_ids`, with `shift_labels` and global `position_ids` already added).
+    Buffers not in `no_restore` get their whole sequence back on exit. Lengths must be
+    divisible by 2·cp (ValueError naming `pad_to_multiple_of` otherwise): which value
+    pads which buffer is not known here.
+    """
+    cp = cp_mesh.size()
+    rank = cp_mesh.get_local_rank()
+    dims = list(seq_dims) if seq_dims is not None else [1] * len(buffers)
+    if len(dims) != len(buffers):
+        raise ValueError(f"{len(buffers)} buffers but {len(dims)} sequence dims")
+    for buffer, dim in zip(buffers, dims):
+        check_divisible(buffer.shape[dim], cp)
+    originals = []
+    for buffer, dim in zip(buffers, dims):
+        originals.append(buffer.data)
+        buffer.data = shard_sequence(buffer.data, cp, rank, dim)
+    try:
+        yield
+    finally:
+        keep = no_restore or set()
+        for buffer, original in zip(buffers, originals):
+            if not any(buffer is k for k in keep):
+                buffer.data = original

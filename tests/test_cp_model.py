@@ -129,14 +129,45 @@ def _cp_bad_input_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
 
-    model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0), cp_mesh(world, world))
-    batch = random_batch(2, 8, model.config.vocab_size, seed=0)
-    with pytest.raises(ValueError, match="shift_labels"):
-        model(**batch)  # labels without shift_labels: cannot be shifted inside a chunk
+    from qwen35_accel.parallel.context_parallel.layout import shard_sequence
+
+    mesh = cp_mesh(world, world)
+    model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh)
+    batch = random_batch(2, 16, model.config.vocab_size, seed=0)
+    positions = torch.arange(16).expand(2, 16)
+
+    def local(t):
+        return shard_sequence(t, world, rank)
+
+    ids = local(batch["input_ids"])
+    with pytest.raises(ValueError, match="shift_labels"):  # labels cannot be shifted inside a chunk
+        model(input_ids=ids, labels=local(batch["labels"]), position_ids=local(positions))
+    with pytest.raises(ValueError, match="position_ids"):  # the model would number local tokens from 0
+        model(input_ids=ids)
     with pytest.raises(ValueError, match=r"local length is 7 \(odd\)"):
-        model(input_ids=batch["input_ids"][:, :7])
+        model(input_ids=ids[:, :7])
     with pytest.raises(NotImplementedError, match="cache"):
-        model(input_ids=batch["input_ids"], cache=object())
+        model(input_ids=ids, cache=object())
+    # Left padding: rank 0 sees it locally, the other ranks only through the shared check;
+    # every rank must raise (none may go on into a collective alone).
+    left = torch.ones(2, 16, dtype=torch.long)
+    left[1, :3] = 0
+    with pytest.raises(ValueError, match="right padding only"):
+        model(input_ids=ids, position_ids=local(positions), attention_mask=local(left))
+    # A hole exactly at a chunk boundary (chunk 1 padded, chunk 2 real): only the boundary check sees it.
+    hole = torch.ones(2, 16, dtype=torch.long)
+    hole[0, 4:8] = 0
+    with pytest.raises(ValueError, match="right padding only"):
+        model(input_ids=ids, position_ids=local(positions), attention_mask=local(hole))
+    # Packed rows: positions restart where a chunk begins.
+    packed = torch.cat([torch.arange(8), torch.arange(8)]).expand(2, 16)
+    with pytest.raises(ValueError, match="packed sequences"):
+        model(input_ids=ids, position_ids=local(packed))
+    # And the good case still runs after the refusals (no collective was left pending).
+    right = torch.ones(2, 16, dtype=torch.long)
+    right[1, 13:] = 0
+    out = model(input_ids=ids, position_ids=local(positions), attention_mask=local(right))
+    assert out.logits.shape[1] == 16 // world
 
     eager = build_tiny_causal_lm(seed=0)
     eager.config._attn_implementation = "flash_attention_2"

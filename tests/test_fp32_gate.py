@@ -28,6 +28,23 @@ def test_install_converts_every_gated_delta_net_once():
         assert gdn.A_log is holder.A_log  # attribute access still works
 
 
+def test_parameter_objects_survive_the_surgery_upcast_in_place():
+    # Optimizers (and Accelerate's bookkeeping) created before the surgery keep their parameters.
+    model = build_tiny_causal_lm(dtype=torch.bfloat16)
+    before = [(gdn.A_log, gdn.dt_bias) for gdn in _gdn_layers(model)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    install_fp32_gate(model)
+    for (A_log, dt_bias), gdn in zip(before, _gdn_layers(model)):
+        holder = getattr(gdn, HOLDER_NAME)
+        assert holder.A_log is A_log and holder.dt_bias is dt_bias
+        assert A_log.dtype == dt_bias.dtype == torch.float32
+    model(**random_batch(1, 8, model.config.vocab_size, seed=0)).loss.backward()
+    A_log = before[0][0]
+    expected = A_log.detach() - A_log.grad
+    optimizer.step()
+    assert torch.equal(A_log.detach(), expected)
+
+
 def test_vlm_text_layers_are_converted():
     assert install_fp32_gate(build_tiny_vlm()) == 2
 

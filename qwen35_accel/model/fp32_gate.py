@@ -35,8 +35,13 @@ class Fp32GateParams(nn.Module):
 
     def __init__(self, A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
         super().__init__()
-        self.A_log = nn.Parameter(A_log.detach().to(torch.float32), requires_grad=A_log.requires_grad)
-        self.dt_bias = nn.Parameter(dt_bias.detach().to(torch.float32), requires_grad=dt_bias.requires_grad)
+        for name, value in (("A_log", A_log), ("dt_bias", dt_bias)):
+            # The same Parameter objects move in (upcast in place if needed), so optimizers
+            # and Accelerate's parameter bookkeeping made before the surgery stay valid.
+            param = value if isinstance(value, nn.Parameter) else nn.Parameter(value.detach(), requires_grad=value.requires_grad)
+            if param.dtype != torch.float32:
+                param.data = param.data.to(torch.float32)
+            self.register_parameter(name, param)
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         """`a`: [batch, seq, num_v_heads], any float dtype -> g: same shape, fp32.

@@ -83,6 +83,46 @@ _UNSUPPORTED_INPUTS = {
 }
 
 
+def _layout_violations(
+    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, group: dist.ProcessGroup
+) -> tuple[bool, bool]:
+    """(left padding or holes, positions that jump) anywhere in the cp group's sequence.
+
+    Each rank summarises its two chunks (local violations, first/last mask and position of
+    each chunk); one small all-gather lets every rank check the chunk boundaries too, so
+    all ranks reach the same verdict (no rank raises alone and leaves the others waiting).
+    """
+    cp = dist.get_world_size(group)
+    rows = (attention_mask if attention_mask is not None else position_ids).shape[0]
+    device = (attention_mask if attention_mask is not None else position_ids).device
+    summary = torch.zeros(rows, 2, 6, dtype=torch.long, device=device)  # per chunk: bad_pad, bad_pos, mask0, maskN, pos0, posN
+    if attention_mask is not None:
+        halves = attention_mask.long().chunk(2, dim=1)
+        whole = attention_mask.long()
+        summary[:, 0, 0] = (whole[:, 1:] > whole[:, :-1]).any(dim=1).long()  # a 0 before a 1, in sequence order
+        for slot, half in enumerate(halves):
+            summary[:, slot, 2], summary[:, slot, 3] = half[:, 0], half[:, -1]
+    else:
+        summary[:, :, 2:4] = 1
+    if position_ids is not None and position_ids.dim() == 2:
+        for slot, half in enumerate(position_ids.long().chunk(2, dim=1)):
+            summary[:, slot, 1] = (half[:, 1:] - half[:, :-1] != 1).any(dim=1).long()
+            summary[:, slot, 4], summary[:, slot, 5] = half[:, 0], half[:, -1]
+    gathered = torch.empty(cp * rows, 2, 6, dtype=summary.dtype, device=device)
+    dist.all_gather_into_tensor(gathered, summary, group=group)
+    gathered = gathered.view(cp, rows, 2, 6)
+    from .layout import chunk_owner
+
+    chunks = [gathered[owner, :, slot] for owner, slot in (chunk_owner(c, cp) for c in range(2 * cp))]  # [rows, 6], sequence order
+    bad_pad = bool(gathered[..., 0].any())
+    bad_pos = bool(gathered[..., 1].any())
+    for before, after in zip(chunks, chunks[1:]):
+        bad_pad |= bool((after[:, 2] > before[:, 3]).any())
+        if position_ids is not None and position_ids.dim() == 2:
+            bad_pos |= bool((after[:, 4] - before[:, 5] != 1).any())
+    return bad_pad, bad_pos
+
+
 def _check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     for key, what in _UNSUPPORTED_INPUTS.items():
         if kwargs.get(key) is not None:
@@ -102,10 +142,30 @@ def _check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             f"under context parallelism each rank holds two equal chunks of the sequence, but the local length is "
             f"{tokens.shape[1]} (odd). Shard batches with qwen35_accel.context_parallel.shard_batch."
         )
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise ValueError(
+            "under context parallelism pass `position_ids` holding each local token's global position (the model "
+            "would number the local tokens from 0); qwen35_accel.context_parallel.shard_batch adds them."
+        )
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
         raise ValueError(
             "under context parallelism pass `shift_labels` with `labels` (labels cannot be shifted inside a chunk); "
             "qwen35_accel.context_parallel.shard_batch adds them."
+        )
+    attention_mask = kwargs.get("attention_mask")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise NotImplementedError("under context parallelism attention_mask must be a 2-D padding mask [batch, seq]")
+    bad_pad, bad_pos = _layout_violations(position_ids, attention_mask, getattr(module, CP_MESH_ATTR).get_group())
+    if bad_pad:
+        raise ValueError(
+            "context parallelism supports right padding only; this attention_mask has a padded token before a real "
+            "one (left padding or holes). Use padding_side='right' in the tokenizer/collator."
+        )
+    if bad_pos:
+        raise ValueError(
+            "position_ids restart or jump inside a row (packed sequences); context parallelism does not support packed "
+            "sequences yet. Disable packing (e.g. padding-free collators) for CP runs."
         )
     return args, kwargs
 

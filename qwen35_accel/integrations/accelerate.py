@@ -1,0 +1,447 @@
+"""The Accelerate plugin: a few version-guarded patch points into Accelerate.
+
+For a dense Qwen3.5 model, Accelerate's FSDP2 preparation hands over to
+`PARALLELIZER.apply` (dtype-uniform units, CP layers) with the settings of the
+`FullyShardedDataParallelPlugin` and the accelerator's device mesh, and the per-step
+context-parallel context shards the batch with our layout. Every other model takes
+Accelerate's own path. On machines without accelerators an FSDP config runs FSDP2 over
+gloo (for every model) instead of silently training N independent copies.
+
+`install()` applies the patches (idempotent); `PATCH_POINTS` lists them; `status()`
+reports what is active. Activation at interpreter start lives in
+`qwen35_accel_autoload` (a torch entry point).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .settings import PluginSettings
+
+logger = logging.getLogger(__name__)
+
+# The Accelerate versions whose internals the patch points were written against and tested with.
+TESTED_ACCELERATE = ">=1.15,<1.16"
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchPoint:
+    module: str
+    attribute: str  # "Class.method" or a module-level name
+    purpose: str
+
+
+PATCH_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint(
+        "accelerate.state",
+        "PartialState._prepare_backend",
+        "no accelerator, WORLD_SIZE > 1 and an FSDP config: gloo backend, MULTI_CPU (stock: DistributedType.NO)",
+    ),
+    PatchPoint(
+        "accelerate.state",
+        "AcceleratorState.__init__",
+        "then MULTI_CPU with an FSDP plugin becomes DistributedType.FSDP (stock ignores the plugin on CPU)",
+    ),
+    PatchPoint(
+        "accelerate.accelerator",
+        "Accelerator._prepare_tp",
+        "dense Qwen3.5: tensor parallelism is refused with a clear error (not implemented yet)",
+    ),
+    PatchPoint(
+        "accelerate.accelerator",
+        "Accelerator._prepare_cp",
+        "dense Qwen3.5: no torch ring-attention hooks; the step's CP context becomes ours",
+    ),
+    PatchPoint(
+        "accelerate.accelerator",
+        "Accelerator._prepare_fsdp2",
+        "dense Qwen3.5: fp32 gate holders installed before Accelerate records parameter names",
+    ),
+    PatchPoint(
+        "accelerate.accelerator",
+        "fsdp2_apply_ac",
+        "dense Qwen3.5: skipped; the parallelizer checkpoints each decoder layer",
+    ),
+    PatchPoint(
+        "accelerate.accelerator",
+        "fsdp2_prepare_model",
+        "dense Qwen3.5: PARALLELIZER.apply with the FSDP plugin's settings and the accelerator's mesh",
+    ),
+    PatchPoint(
+        "accelerate.accelerator",
+        "Accelerator.maybe_context_parallel",
+        "dense Qwen3.5 under cp > 1: shards the step's buffers with qwen35_accel's layout",
+    ),
+)
+
+_ORIGINAL = "__qwen35_accel_original__"
+_installed: dict[PatchPoint, Callable[..., Any]] = {}
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def accelerate_version_supported() -> tuple[bool, str]:
+    """(whether the installed Accelerate is in `TESTED_ACCELERATE`, its version)."""
+    import accelerate
+    from packaging.specifiers import SpecifierSet
+
+    version = accelerate.__version__
+    return SpecifierSet(TESTED_ACCELERATE).contains(version, prereleases=True), version
+
+
+def _is_dense_qwen35(model: Any) -> bool:
+    from ..model.detect import is_dense_qwen35
+
+    return isinstance(model, nn.Module) and is_dense_qwen35(model)
+
+
+def _main_process_note(message: str) -> None:
+    """One line on the main process: what the plugin did (visible in launcher logs)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[qwen35_accel] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- FSDP on CPU
+
+
+def _no_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return not accelerator.is_available()
+    return not torch.cuda.is_available()
+
+
+def _cpu_fsdp_wanted() -> bool:
+    from accelerate.utils import get_int_from_env
+
+    world = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
+    return (
+        PluginSettings.from_env().cpu_fsdp
+        and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        and world > 1
+        and _no_accelerator()
+    )
+
+
+def _prepare_backend(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, cpu: bool = False, sagemaker_dp: bool = False, backend: str | None = None) -> Any:
+        from accelerate.utils import DistributedType
+
+        chosen_backend, distributed_type = original(self, cpu, sagemaker_dp, backend)
+        if distributed_type == DistributedType.NO and backend in (None, "gloo") and _cpu_fsdp_wanted():
+            return "gloo", DistributedType.MULTI_CPU
+        return chosen_backend, distributed_type
+
+    return wrapper
+
+
+def _accelerator_state_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        from accelerate.utils import DistributedType
+
+        original(self, *args, **kwargs)
+        fsdp_plugin = kwargs.get("fsdp_plugin")
+        if (
+            fsdp_plugin is not None
+            and getattr(self, "distributed_type", None) == DistributedType.MULTI_CPU
+            and _no_accelerator()
+            and PluginSettings.from_env().cpu_fsdp
+        ):
+            from accelerate.state import PartialState
+
+            self.distributed_type = DistributedType.FSDP
+            # As Accelerate does at the end of its own __init__: later AcceleratorState()
+            # calls copy PartialState's shared state over this one.
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = fsdp_plugin
+            _main_process_note(f"no accelerator found: FSDP{fsdp_plugin.fsdp_version} runs on CPU over gloo")
+
+    return wrapper
+
+
+# ---------------------------------------------------------------- FSDP2 preparation
+
+
+def _the_model(args: tuple[Any, ...]) -> nn.Module | None:
+    models = [a for a in args if isinstance(a, nn.Module)]
+    return models[0] if len(models) == 1 else None
+
+
+def _prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any) -> Any:
+        model = _the_model(args)
+        if model is not None and _is_dense_qwen35(model):
+            from ..model.fp32_gate import install_fp32_gate
+
+            # Before Accelerate records parameter names for the optimizer mapping; the
+            # Parameter objects themselves are kept, so the optimizer stays valid.
+            install_fp32_gate(model)
+            _present_layer_classes_only(self.state.fsdp_plugin, model)
+        return original(self, *args)
+
+    return wrapper
+
+
+def _present_layer_classes_only(plugin: Any, model: nn.Module) -> None:
+    """Transformers lists `Qwen3_5VisionBlock` in `_no_split_modules` of the text-only
+    model too; Accelerate's TRANSFORMER_BASED_WRAP then fails to find it. Our units do
+    not use the wrap policy, so restrict the defaults to classes the model has."""
+    if getattr(plugin, "transformer_cls_names_to_wrap", None) is None:
+        present = {type(m).__name__ for m in model.modules()}
+        names = [n for n in getattr(model, "_no_split_modules", None) or [] if n in present]
+        if names:
+            plugin.transformer_cls_names_to_wrap = names
+
+
+def _fsdp2_apply_ac(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(accelerator: Any, model: nn.Module) -> nn.Module:
+        if _is_dense_qwen35(model):
+            return model  # fsdp2_prepare_model -> PARALLELIZER.apply(activation_checkpointing=True)
+        return original(accelerator, model)
+
+    return wrapper
+
+
+def _fsdp_mesh(accelerator: Any) -> Any:
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is not None:
+        return mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = accelerator.device.type
+    return init_device_mesh(device_type, (torch.distributed.get_world_size(),), mesh_dim_names=("dp_shard_cp",))
+
+
+def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
+    """Accelerate's `fsdp2_prepare_model`, for a dense Qwen3.5 model: our parallelizer.
+
+    Follows Accelerate where it decides things for every model: trainable parameters are
+    upcast to fp32 when `mixed_precision != "no"` (the gate holders are fp32 anyway);
+    with `cpu_ram_efficient_loading`, rank 0's weights are broadcast into the sharded
+    model after sharding on the meta device.
+    """
+    from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict, get_non_persistent_buffers
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+
+    from ..parallelization import PARALLELIZER, mesh_dim_size
+
+    if isinstance(model, FSDPModule):
+        return model
+    settings = PluginSettings.from_env()
+    plugin = accelerator.state.fsdp_plugin
+    if accelerator.mixed_precision != "no":
+        for param in model.parameters():
+            if param.requires_grad and param.dtype != torch.float32:
+                param.data = param.data.to(torch.float32)
+
+    ram_efficient = bool(plugin.cpu_ram_efficient_loading)
+    if ram_efficient:
+        original_sd = model.state_dict()
+        buffer_fqns = get_non_persistent_buffers(model, recurse=True, fqns=True)
+        non_persistent = {k: v.clone() for k, v in model.named_buffers() if k in buffer_fqns}
+        model = model.to(torch.device("meta"))
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+
+    mesh = _fsdp_mesh(accelerator)
+    PARALLELIZER.apply(
+        model,
+        mesh,
+        "dp_shard_cp",
+        mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        offload_policy=plugin.cpu_offload,
+        activation_checkpointing=bool(plugin.activation_checkpointing),
+        reshard_after_forward=plugin.reshard_after_forward,
+        enable_fsdp2_prefetch=settings.fsdp2_prefetch,
+        fsdp2_backward_prefetch_depth=settings.fsdp2_backward_prefetch_depth,
+        fsdp2_forward_prefetch_depth=settings.fsdp2_forward_prefetch_depth,
+        frozen_multimodal_sharding=settings.frozen_multimodal_sharding,  # type: ignore[arg-type]
+    )
+
+    if ram_efficient:
+        fsdp2_load_full_state_dict(
+            accelerator, model, original_sd, cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+        )
+        for fqn, buffer in non_persistent.items():
+            parent, _, name = fqn.rpartition(".")
+            (model.get_submodule(parent) if parent else model).register_buffer(name, buffer.to(accelerator.device), persistent=False)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+
+    model._qwen35_accel_prepared = True
+    cp = mesh_dim_size(mesh, "cp")
+    _main_process_note(
+        f"{type(model).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
+        f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, "
+        f"activation checkpointing={bool(plugin.activation_checkpointing)}"
+    )
+    return model
+
+
+def _fsdp2_prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(accelerator: Any, model: nn.Module) -> nn.Module:
+        if _is_dense_qwen35(model):
+            return prepare_qwen35_fsdp2(accelerator, model)
+        return original(accelerator, model)
+
+    return wrapper
+
+
+# ---------------------------------------------------------------- TP and CP
+
+
+def _prepare_tp(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any) -> Any:
+        model = _the_model(args)
+        if model is not None and _is_dense_qwen35(model):
+            raise NotImplementedError(
+                f"tensor parallelism (tp_size={self.parallelism_config.tp_size}) is not implemented yet for dense "
+                "Qwen3.5 in qwen35_accel; use tp_size=1 (FSDP2 and context parallelism are supported)."
+            )
+        return original(self, *args)
+
+    return wrapper
+
+
+def _prepare_cp(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any) -> Any:
+        model = _the_model(args)
+        if model is not None and _is_dense_qwen35(model):
+            if not self.is_fsdp2:
+                raise ValueError("context parallelism for Qwen3.5 needs FSDP2 (fsdp_version: 2 in the config)")
+            # The CP layers are installed by PARALLELIZER.apply (mesh dim "cp") during the
+            # FSDP2 preparation that follows; here only the per-step context changes.
+            self._qwen35_cp_mesh = self.torch_device_mesh["cp"]
+            return args
+        return original(self, *args)
+
+    return wrapper
+
+
+def _maybe_context_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def wrapper(
+        self: Any,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> Iterator[None]:
+        cp_mesh = getattr(self, "_qwen35_cp_mesh", None)
+        if cp_mesh is None:
+            with original(self, buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers):
+                yield
+            return
+        from ..context_parallel import sharded_buffers
+
+        with sharded_buffers(buffers or [], buffer_seq_dims, no_restore_buffers, cp_mesh):
+            yield
+
+    return wrapper
+
+
+_WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "PartialState._prepare_backend": _prepare_backend,
+    "AcceleratorState.__init__": _accelerator_state_init,
+    "Accelerator._prepare_tp": _prepare_tp,
+    "Accelerator._prepare_cp": _prepare_cp,
+    "Accelerator._prepare_fsdp2": _prepare_fsdp2,
+    "fsdp2_apply_ac": _fsdp2_apply_ac,
+    "fsdp2_prepare_model": _fsdp2_prepare_model,
+    "Accelerator.maybe_context_parallel": _maybe_context_parallel,
+}
+
+
+def _owner_and_name(point: PatchPoint) -> tuple[Any, str]:
+    import importlib
+
+    owner: Any = importlib.import_module(point.module)
+    *path, name = point.attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def _current(point: PatchPoint) -> Any:
+    owner, name = _owner_and_name(point)
+    return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+
+
+def install() -> bool:
+    """Apply every patch point (idempotent). Returns False, with one warning, when the
+    installed Accelerate is outside `TESTED_ACCELERATE` (stock behaviour then)."""
+    supported, version = accelerate_version_supported()
+    if not supported:
+        _warn_once(
+            f"qwen35_accel: accelerate {version} is outside the tested range {TESTED_ACCELERATE}; the Accelerate plugin "
+            "is not active (stock Accelerate behaviour). PARALLELIZER.apply still works directly."
+        )
+        return False
+    for point in PATCH_POINTS:
+        if point in _installed:
+            continue
+        owner, name = _owner_and_name(point)
+        original = _current(point)
+        if getattr(original, _ORIGINAL, None) is not None:  # patched by another copy of this module
+            _installed[point] = getattr(original, _ORIGINAL)
+            continue
+        wrapper = _WRAPPERS[point.attribute](original)
+        setattr(wrapper, _ORIGINAL, original)
+        setattr(owner, name, wrapper)
+        _installed[point] = original
+    return True
+
+
+def uninstall() -> None:
+    """Restore Accelerate's originals (for tests and `QWEN35_ACCEL=0` comparisons)."""
+    for point, original in list(_installed.items()):
+        owner, name = _owner_and_name(point)
+        setattr(owner, name, original)
+        del _installed[point]
+
+
+def status() -> dict[str, Any]:
+    """Plugin state for `qwen35-accel env`: versions, activation, each patch point."""
+    try:
+        supported, version = accelerate_version_supported()
+    except ImportError:
+        supported, version = False, None
+    points = []
+    for point in PATCH_POINTS:
+        active = False
+        if version is not None:
+            with contextlib.suppress(Exception):
+                active = getattr(_current(point), _ORIGINAL, None) is not None
+        points.append({"target": f"{point.module}.{point.attribute}", "active": active, "purpose": point.purpose})
+    return {
+        "accelerate": version,
+        "tested_accelerate": TESTED_ACCELERATE,
+        "supported": supported,
+        "active": any(p["active"] for p in points),
+        "patch_points": points,
+    }

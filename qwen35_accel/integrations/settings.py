@@ -1,0 +1,90 @@
+"""Plugin knobs: `QWEN35_ACCEL_*` environment variables, their defaults in one place.
+
+Accelerate's YAML has no room for plugin settings, so the plugin reads these variables
+(set them in the shell, or in the launcher's environment). Invalid values raise
+ValueError naming the variable and the valid values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+ENV_PREFIX = "QWEN35_ACCEL"
+def _knob(default: object, help: str) -> dataclasses.Field:
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+_BOOLEAN = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginSettings:
+    """Every knob of the Accelerate plugin, with its default.
+
+    Field `x` is read from `QWEN35_ACCEL_X` (upper case); `enabled` from `QWEN35_ACCEL`.
+    """
+
+    enabled: bool = _knob(True, "0 turns the automatic activation off: stock Accelerate behaviour")
+    cpu_fsdp: bool = _knob(
+        True,
+        "run an FSDP config on a machine without accelerators as FSDP2 over gloo (stock Accelerate silently "
+        "runs N independent single-process trainings there)",
+    )
+    frozen_multimodal_sharding: str = _knob("root", "a frozen vision tower: root (in the root unit), replicate or shard")
+    fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of decoder-layer units in layer order")
+    fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
+    fsdp2_backward_prefetch_depth: int = _knob(2, "layers prefetched ahead in backward")
+
+    @staticmethod
+    def env_name(field: str) -> str:
+        return ENV_PREFIX if field == "enabled" else f"{ENV_PREFIX}_{field.upper()}"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PluginSettings:
+        """Settings from `environ` (default `os.environ`); unknown `QWEN35_ACCEL_*` names raise too."""
+        environ = os.environ if environ is None else environ
+        known = {cls.env_name(f.name): f for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX + "_") and k not in known)
+        if unknown:
+            raise ValueError(f"unknown setting(s) {unknown}; qwen35_accel reads {sorted(known)}")
+        values = {}
+        for name, field in known.items():
+            raw = environ.get(name)
+            if raw is None or raw == "":
+                continue
+            values[field.name] = _parse(name, field, raw)
+        return cls(**values)
+
+
+_CHOICES = {"frozen_multimodal_sharding": ("root", "replicate", "shard")}
+
+
+def _parse(env_name: str, field: dataclasses.Field, raw: str) -> object:
+    value = raw.strip().lower()
+    if field.type in ("bool", bool):
+        if value not in _BOOLEAN:
+            raise ValueError(f"{env_name}={raw!r}: expected one of {sorted(_BOOLEAN)}")
+        return _BOOLEAN[value]
+    if field.type in ("int", int):
+        try:
+            number = int(value)
+        except ValueError:
+            number = -1
+        if number < 0:
+            raise ValueError(f"{env_name}={raw!r}: expected a non-negative integer")
+        return number
+    choices = _CHOICES.get(field.name)
+    if choices is not None and value not in choices:
+        raise ValueError(f"{env_name}={raw!r}: expected one of {list(choices)}")
+    return value
+
+
+def settings_table() -> list[dict[str, str]]:
+    """Rows (variable, default, meaning) for the README and `qwen35-accel env`."""
+    rows = []
+    for field in dataclasses.fields(PluginSettings):
+        default = str(field.default).lower() if isinstance(field.default, bool) else str(field.default)
+        rows.append({"variable": PluginSettings.env_name(field.name), "default": default, "meaning": field.metadata["help"]})
+    return rows

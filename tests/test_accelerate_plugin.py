@@ -1,0 +1,212 @@
+"""The Accelerate plugin: settings, patch points, and `Accelerator.prepare` on CPU/gloo.
+
+Multi-process tests build a real `Accelerator` (FSDP2 plugin, ParallelismConfig) in each
+gloo rank, exactly as `accelerate launch` would configure it, and compare training with
+the single-process Transformers model.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_world
+from _parity import assert_close, assert_grads_match, assert_params_match
+
+
+def test_settings_defaults_env_and_errors():
+    from qwen35_accel.integrations.settings import PluginSettings
+
+    assert PluginSettings.from_env({}) == PluginSettings()
+    s = PluginSettings.from_env({"QWEN35_ACCEL": "0", "QWEN35_ACCEL_FSDP2_BACKWARD_PREFETCH_DEPTH": "3"})
+    assert not s.enabled and s.fsdp2_backward_prefetch_depth == 3
+    with pytest.raises(ValueError, match=r"QWEN35_ACCEL_FROZEN_MULTIMODAL_SHARDING='all': expected one of \['root', 'replicate', 'shard'\]"):
+        PluginSettings.from_env({"QWEN35_ACCEL_FROZEN_MULTIMODAL_SHARDING": "all"})
+    with pytest.raises(ValueError, match=r"QWEN35_ACCEL_CPU_FSDP='maybe': expected one of \[.*'0'.*'true'"):
+        PluginSettings.from_env({"QWEN35_ACCEL_CPU_FSDP": "maybe"})
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['QWEN35_ACCEL_CPUFSDP'\]; qwen35_accel reads \[.*'QWEN35_ACCEL_CPU_FSDP'"):
+        PluginSettings.from_env({"QWEN35_ACCEL_CPUFSDP": "1"})
+
+
+def test_patch_points_install_idempotently_restore_and_respect_the_version_guard(monkeypatch):
+    import accelerate
+    from accelerate.accelerator import Accelerator
+
+    from qwen35_accel.integrations import accelerate as plugin
+
+    # The autoload (torch entry point) has already installed the plugin in this process.
+    assert plugin.status()["active"], "the torch entry point did not activate the plugin"
+    patched = Accelerator._prepare_fsdp2
+    assert plugin.install() and Accelerator._prepare_fsdp2 is patched  # idempotent
+    assert all(p["active"] for p in plugin.status()["patch_points"])
+
+    plugin.uninstall()
+    try:
+        assert Accelerator._prepare_fsdp2 is patched.__qwen35_accel_original__
+        assert not plugin.status()["active"]
+        monkeypatch.setattr(accelerate, "__version__", "1.99.0")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert plugin.install() is False
+        assert any("accelerate 1.99.0 is outside the tested range" in str(w.message) for w in caught)
+        assert not plugin.status()["active"]
+    finally:
+        monkeypatch.undo()
+        assert plugin.install()
+    assert all(p["active"] for p in plugin.status()["patch_points"])
+
+
+def _accelerator(world: int, cp: int, **plugin_kwargs):
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return Accelerator(
+        fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, **plugin_kwargs),
+        parallelism_config=ParallelismConfig(dp_shard_size=world // cp, cp_size=cp),
+    )
+
+
+def _trainer_style_step(accelerator, model, batch, num_items):
+    """What the Trainer does per step: CP context around forward and backward, loss =
+    local sum / global count × num_processes (FSDP2 then averages over dp_shard_cp)."""
+    inputs = dict(batch)
+    buffers = [inputs[k] for k in ("input_ids", "labels", "shift_labels", "position_ids")]
+    with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * 4, no_restore_buffers=set(buffers)):
+        loss = model(**inputs, num_items_in_batch=num_items).loss * accelerator.num_processes
+        accelerator.backward(loss)
+    return loss.detach()
+
+
+def _prepare_and_train_worker(rank: int, world: int, cp: int, activation_checkpointing: bool) -> None:
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import FSDPModule
+
+    from qwen35_accel.parallelization import mesh_dim_names
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    accelerator = _accelerator(world, cp, activation_checkpointing=activation_checkpointing)
+    assert accelerator.distributed_type == DistributedType.FSDP, accelerator.distributed_type
+    reference = build_tiny_causal_lm(seed=0)
+    model = build_tiny_causal_lm(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # made before prepare, as the Trainer does
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert getattr(model, "_qwen35_accel_prepared", False)
+    assert isinstance(model.model.layers[0].linear_attn._fp32_params, FSDPModule)
+    # Still FSDP after later AcceleratorState() calls (they copy PartialState's state).
+    assert accelerator.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+
+    dp = world // cp
+    mesh = accelerator.torch_device_mesh
+    dp_rank = mesh["dp_shard"].get_local_rank() if "dp_shard" in mesh_dim_names(mesh) else 0
+    for step in range(3):
+        batch = random_batch(2 * dp, 16, reference.config.vocab_size, seed=10 + step)
+        batch["shift_labels"] = torch.cat([batch["labels"][:, 1:], torch.full((2 * dp, 1), -100)], dim=1)
+        batch["position_ids"] = torch.arange(16).expand(2 * dp, 16)
+        num_items = (batch["shift_labels"] != -100).sum()
+        local = {k: v[2 * dp_rank : 2 * dp_rank + 2].clone() for k, v in batch.items()}
+        loss = _trainer_style_step(accelerator, model, local, num_items)
+
+        ref_loss = reference(**{k: batch[k] for k in ("input_ids", "labels")}).loss
+        ref_loss.backward()
+        reported = loss.clone()
+        dist.all_reduce(reported, op=dist.ReduceOp.AVG)  # what the Trainer logs
+        assert_close(reported, ref_loss.detach(), f"loss at step {step}")
+        # lr 1e-3: at 1e-2 AdamW turns last-bit gradient differences of near-zero
+        # gradients into parameter differences that grow over the steps (see test_fsdp_parity).
+        assert_grads_match(model, reference, atol=1e-6)
+        optimizer.step()
+        ref_opt.step()
+        optimizer.zero_grad()
+        ref_opt.zero_grad()
+    assert_params_match(model, reference, atol=1e-5)  # after AdamW: see test_fsdp_parity
+    # The full state dict Trainer.save_model uses: plain tensors, Transformers keys.
+    full = accelerator.get_state_dict(model)
+    if rank == 0:
+        assert set(full) == set(reference.state_dict()) and all(type(v) is torch.Tensor for v in full.values())
+        assert full["model.layers.0.linear_attn.A_log"].dtype == torch.float32
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "world,cp,ac", [(2, 1, False), (2, 2, True), (4, 2, False)], ids=["dp2", "cp2-ac", "dp2xcp2"]
+)
+def test_accelerator_prepare_hands_qwen35_to_the_parallelizer_and_matches_single_process(world, cp, ac):
+    run_world(_prepare_and_train_worker, world, cp, ac)
+
+
+def _llama_worker(rank: int, world: int) -> None:
+    from accelerate.accelerator import fsdp2_prepare_model
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def llama():
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2)
+        return LlamaForCausalLM(config)
+
+    accelerator = _accelerator(world, 1)
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert not getattr(model, "_qwen35_accel_prepared", False)
+    # The units Accelerate's own fsdp2_prepare_model gives when called directly.
+    direct = fsdp2_prepare_model.__qwen35_accel_original__(accelerator, llama())
+    units = lambda m: [n for n, sub in m.named_modules() if isinstance(sub, FSDPModule)]  # noqa: E731
+    assert units(model) == units(direct) and len(units(model)) > 2
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.multiprocess
+def test_other_models_take_accelerates_own_fsdp2_path():
+    run_world(_llama_worker, 2)
+
+
+def _tp_refused_worker(rank: int, world: int) -> None:
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from qwen35_accel.tiny import build_tiny_causal_lm
+
+    accelerator = Accelerator(
+        fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
+        parallelism_config=ParallelismConfig(dp_shard_size=world // 2, tp_size=2),
+    )
+    model = build_tiny_causal_lm()
+    with pytest.raises(NotImplementedError, match=r"tensor parallelism \(tp_size=2\) is not implemented yet"):
+        accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_config_is_refused_clearly_for_qwen35():
+    run_world(_tp_refused_worker, 4)
+
+
+def test_disabled_by_env_in_a_fresh_process():
+    import subprocess
+    import sys
+
+    code = (
+        "from accelerate.accelerator import Accelerator;"
+        "print(hasattr(Accelerator._prepare_fsdp2, '__qwen35_accel_original__'))"
+    )
+    env = dict(os.environ, QWEN35_ACCEL="0")
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    env["QWEN35_ACCEL"] = "1"
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert (off.stdout.strip(), on.stdout.strip()) == ("False", "True")

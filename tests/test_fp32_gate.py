@@ -45,6 +45,18 @@ def test_parameter_objects_survive_the_surgery_upcast_in_place():
     assert torch.equal(A_log.detach(), expected)
 
 
+def test_parameter_names_are_the_transformers_names():
+    reference = build_tiny_causal_lm()
+    model = build_tiny_causal_lm()
+    install_fp32_gate(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [n for n, _ in reference.named_parameters()] or sorted(names) == sorted(n for n, _ in reference.named_parameters())
+    assert set(names) == set(model.state_dict())
+    for name in names:  # each name resolves to the parameter it labels
+        assert model.get_parameter(name) is dict(model.named_parameters())[name]
+    assert all(HOLDER_NAME in n for n, _ in type(model).named_parameters(model) if n.endswith(GATE_KEYS))
+
+
 def test_vlm_text_layers_are_converted():
     assert install_fp32_gate(build_tiny_vlm()) == 2
 

@@ -116,7 +116,7 @@ def _precision_worker(rank: int, world: int, layout: str, compute_dtype: torch.d
     for dtypes in seen["layer"]:
         assert set(dtypes.values()) == {compute_dtype}, dtypes
     for name, p in model.named_parameters():
-        expected = torch.float32 if HOLDER_NAME in name else storage
+        expected = torch.float32 if name.endswith(GATE) else storage
         assert p.dtype == expected and p.grad is not None and p.grad.dtype == expected, name
         assert torch.isfinite(full(p.grad)).all(), name
 

@@ -14,7 +14,8 @@ accepts those names (from unmodified checkpoints, in any floating dtype).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -183,6 +184,13 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         return self.out_proj(core_attn_out.reshape(batch_size, seq_len, -1))
 
 
+def _named_parameters_with_transformers_names(
+    self: nn.Module, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+) -> Iterator[tuple[str, nn.Parameter]]:
+    for name, param in type(self).named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate):
+        yield name.replace(f".{HOLDER_NAME}.", "."), param
+
+
 def has_fp32_gate(module: nn.Module) -> bool:
     return isinstance(module, Fp32GateGatedDeltaNet)
 
@@ -192,7 +200,9 @@ def install_fp32_gate(model: nn.Module) -> int:
 
     Works on any module tree holding `Qwen3_5GatedDeltaNet` layers, on any device
     (meta included) and before any sharding. Values are converted exactly (upcast to
-    fp32; a bf16 model keeps its bf16 values). `requires_grad` is preserved.
+    fp32; a bf16 model keeps its bf16 values); the Parameter objects and
+    `requires_grad` are preserved. `model.named_parameters()` then reports them under
+    their Transformers names (`…linear_attn.A_log`), like `state_dict()`.
     Idempotent: returns the number of layers converted by this call (0 the second time).
     """
     converted = 0
@@ -211,4 +221,10 @@ def install_fp32_gate(model: nn.Module) -> int:
         module.register_state_dict_post_hook(_gate_state_dict_post_hook)
         module.register_load_state_dict_pre_hook(_gate_load_state_dict_pre_hook)
         converted += 1
+    if (converted or any(has_fp32_gate(m) for m in model.modules())) and "named_parameters" not in model.__dict__:
+        # One naming everywhere: parameter names match state-dict keys and checkpoints
+        # (torch.distributed.checkpoint names optimizer state by `named_parameters()`
+        # but loads it by state-dict walk). `get_parameter(name)` resolves them through
+        # the A_log / dt_bias attributes of the layer.
+        model.named_parameters = types.MethodType(_named_parameters_with_transformers_names, model)  # type: ignore[method-assign]
     return converted

@@ -1,0 +1,148 @@
+"""Trainer level: `accelerate launch --config_file accelerate_configs/… recipes/sft.py`,
+unchanged script, against one process without Accelerate launch.
+
+Each run is a real subprocess (the plugin activates itself through the torch entry
+point). Per-step losses come from the Trainer's own `trainer_state.json`, final
+weights from the saved Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "sft.py"
+CONFIGS = ROOT / "accelerate_configs"
+PREPARED = "prepared by qwen35_accel"
+COMMON = ["--max_steps", "4", "--logging_steps", "1", "--seed", "0"]
+# Parity runs use plain SGD. AdamW's step ignores the gradient's scale (a wrong loss
+# scaling under dp/cp would pass unseen), and it turns noise-level gradients into full
+# learning-rate steps whose sign rounding decides: heads whose state decays within one
+# token (A = exp(A_log) ≈ 15 in the tiny init) get |dL/dA_log| ≈ 1e-10. Under SGD a
+# weight differs from the reference exactly as much as its gradients did.
+SGD = ["--optim", "sgd", "--learning_rate", "0.3"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("QWEN35_ACCEL", None)
+    return env
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, (
+        f"exit {result.returncode}: {' '.join(cmd)}\n--- stdout tail ---\n{result.stdout[-3000:]}\n--- stderr tail ---\n{result.stderr[-3000:]}"
+    )
+    return result
+
+
+def launch(config: str, out: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config)]
+    cmd += ["--main_process_port", _port(), str(RECIPE), *COMMON, "--output_dir", str(out), *args]
+    return _run(cmd)
+
+
+def single(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return _run([sys.executable, str(RECIPE), *COMMON, "--output_dir", str(out), *args])
+
+
+def losses(out: Path) -> list[float]:
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "model.safetensors")
+
+
+def assert_same_training(actual: Path, expected: Path, rtol: float) -> None:
+    got, want = losses(actual), losses(expected)
+    assert len(got) == len(want) == 4 and got[-1] < got[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rtol, atol=0)
+    a, b = weights(actual), weights(expected)
+    assert set(a) == set(b)
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+    assert a["model.layers.0.linear_attn.A_log"].dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One process, no launcher: per-device batch 4 = the global batch of every launch below."""
+    out = tmp_path_factory.mktemp("single")
+    single(out, "--per_device_train_batch_size", "4", *SGD)
+    return out
+
+
+def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_loadable_checkpoint(reference, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "fsdp2"
+    result = launch("cpu_fsdp2.yaml", out, "--per_device_train_batch_size", "2", *SGD)
+    assert PREPARED in result.stderr and "FSDP2 runs on CPU over gloo" in result.stderr
+    assert_same_training(out, reference, rtol=1e-5)
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    expected = AutoModelForCausalLM.from_pretrained(reference)
+    assert model.model.layers[0].linear_attn.A_log.dtype == torch.float32
+    ids = torch.arange(1, 33).reshape(2, 16)
+    torch.testing.assert_close(model(input_ids=ids).logits, expected(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "config,per_device", [("cpu_fsdp2_cp2.yaml", "4"), ("cpu_fsdp2_dp2_cp2.yaml", "2")], ids=["cp2", "dp2xcp2"]
+)
+def test_context_parallel_launch_matches_one_process(reference, tmp_path, config, per_device):
+    out = tmp_path / "cp"
+    result = launch(config, out, "--per_device_train_batch_size", per_device, *SGD)
+    assert PREPARED in result.stderr and "cp=2" in result.stderr
+    assert_same_training(out, reference, rtol=1e-4)
+
+
+def test_resume_from_checkpoint_continues_with_the_uninterrupted_losses(tmp_path):
+    full = tmp_path / "full"
+    launch("cpu_fsdp2.yaml", full, "--per_device_train_batch_size", "2", "--save_strategy", "steps", "--save_steps", "2")
+    checkpoint = full / "checkpoint-2"
+    assert checkpoint.is_dir()
+    resumed = tmp_path / "resumed"
+    launch(
+        "cpu_fsdp2.yaml", resumed, "--per_device_train_batch_size", "2", "--resume_from_checkpoint", str(checkpoint)
+    )
+    torch.testing.assert_close(torch.tensor(losses(resumed)[-2:]), torch.tensor(losses(full)[-2:]), rtol=1e-5, atol=0)
+
+
+def test_other_models_keep_accelerates_own_fsdp2_path_through_the_same_launch(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama_dir = tmp_path / "llama"
+    LlamaForCausalLM(
+        LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, eos_token_id=256, pad_token_id=256)
+    ).save_pretrained(llama_dir)
+    out = tmp_path / "llama_out"
+    result = launch(
+        "cpu_fsdp2.yaml", out, "--model_name_or_path", str(llama_dir),
+        "--tokenizer_name_or_path", str(ROOT / "recipes" / "configs" / "tokenizer"), "--per_device_train_batch_size", "2",
+    )
+    assert PREPARED not in result.stderr and "FSDP2 runs on CPU over gloo" in result.stderr
+    history = losses(out)
+    assert history[-1] < history[0]

@@ -1,7 +1,340 @@
-"""`qwen35-accel` command line (placeholder until the plan/env commands land)."""
+"""`qwen35-accel`: see what a launch will do, without GPUs or weights.
+
+    qwen35-accel plan --model PATH|tiny --config accelerate_configs/X.yaml [--seq-len N] [--json]
+    qwen35-accel env [--json]
+
+`plan` builds the model on the meta device and runs the real parallelizer in one
+process over a fake process group of the config's world size (torch's "fake" backend:
+collectives are no-ops, shapes and placements are real), then reports the mesh, every
+FSDP2 unit per decoder layer (modules, storage/compute dtype, parameters, bytes per
+rank) and the context-parallel layout with its per-layer communication.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def _load_yaml(path: str) -> Any:
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"qwen35-accel plan: no such config file: {path}")
+    return load_config_from_file(path)
+
+
+def _sizes(cluster: Any) -> dict[str, int]:
+    raw = cluster.parallelism_config or {}
+    world = int(cluster.num_processes or 1)
+
+    def size(name: str) -> int:
+        return int(raw.get(f"parallelism_config_{name}_size") or 1)
+
+    sizes = {"dp_replicate": size("dp_replicate"), "cp": size("cp"), "tp": size("tp")}
+    shard = raw.get("parallelism_config_dp_shard_size")
+    rest = sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
+    sizes["dp_shard"] = int(shard) if shard else max(1, world // rest)
+    total = rest * sizes["dp_shard"]
+    if total != world:
+        raise SystemExit(
+            f"qwen35-accel plan: dp_replicate {sizes['dp_replicate']} x dp_shard {sizes['dp_shard']} x cp {sizes['cp']} "
+            f"x tp {sizes['tp']} = {total} does not match num_processes {world}"
+        )
+    return {"world": world, **sizes}
+
+
+def _model_config(model: str) -> Any:
+    if model == "tiny":
+        from .tiny import tiny_text_config
+
+        return tiny_text_config()
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model)
+
+
+def _shard_rows(rows: int, shards: int) -> list[int]:
+    """Rows per rank of FSDP2's dim-0 sharding (torch.chunk sizes, trailing ranks may hold 0)."""
+    chunk = math.ceil(rows / shards) if rows else 0
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(shards)]
+
+
+def _unit_bytes(group: Any, shards: int) -> list[int]:
+    per_rank = [0] * shards
+    for fsdp_param in group.fsdp_params:
+        param = fsdp_param.sharded_param
+        shape = param.shape
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        for r, rows in enumerate(_shard_rows(shape[0], shards)):
+            per_rank[r] += rows * row * param.element_size()
+    return per_rank
+
+
+def _units(model: Any, shards: int) -> list[dict[str, Any]]:
+    from torch.distributed.fsdp import FSDPModule
+
+    rows: dict[int, dict[str, Any]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+        if id(group) in rows:
+            rows[id(group)]["modules"].append(name)
+            continue
+        params = [fp.sharded_param for fp in group.fsdp_params]
+        compute = group.mp_policy.param_dtype
+        storage = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
+        per_rank = _unit_bytes(group, shards)
+        rows[id(group)] = {
+            "modules": [name],
+            "storage": storage,
+            "compute": str(compute).removeprefix("torch.") if compute is not None else storage,
+            "params": sum(p.numel() for p in params),
+            "bytes_per_rank_max": max(per_rank),
+            "bytes_all_ranks": sum(per_rank),
+        }
+    return list(rows.values())
+
+
+def _cp_comm(text_config: Any, cp: int, seq_len: int, compute_bytes: int) -> dict[str, Any]:
+    """Bytes each rank sends per layer and step (forward; backward sends the same again)."""
+    if cp <= 1:
+        return {}
+    local = seq_len // cp
+    chunk = local // 2
+    hv, dk, dv = text_config.linear_num_value_heads, text_config.linear_key_head_dim, text_config.linear_value_head_dim
+    conv_dim = 2 * text_config.linear_num_key_heads * dk + hv * dv
+    halo = min(chunk, text_config.linear_conv_kernel_dim - 1)
+    gdn = 2 * hv * dk * (dk + dv) * 4 + 2 * conv_dim * halo * compute_bytes
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    attention = 2 * text_config.num_key_value_heads * local * head_dim * compute_bytes
+    return {
+        "seq_len": seq_len,
+        "layout": [f"rank {r}: chunks {r} and {2 * cp - 1 - r} of {2 * cp} ({chunk} tokens each)" for r in range(cp)],
+        "linear_attention_bytes_per_rank": gdn,
+        "full_attention_bytes_per_rank": attention,
+        "note": "per sequence, forward; GatedDeltaNet traffic does not grow with seq_len, attention K/V does",
+    }
+
+
+def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
+    """The plan as a dict (what `plan --json` prints)."""
+    import torch
+    import torch.distributed as dist
+    from accelerate.parallelism_config import ParallelismConfig
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    from transformers import AutoModelForCausalLM
+
+    from .parallelization import PARALLELIZER
+
+    started = time.perf_counter()
+    cluster = _load_yaml(config)
+    sizes = _sizes(cluster)
+    mixed = str(cluster.mixed_precision or "no").lower()
+    fsdp = cluster.fsdp_config or {}
+    model_config = _model_config(model)
+    text_config = model_config.get_text_config()
+    if seq_len % (2 * sizes["cp"]):
+        raise SystemExit(f"qwen35-accel plan: --seq-len {seq_len} is not divisible by 2*cp = {2 * sizes['cp']}")
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", rank=0, world_size=sizes["world"], store=FakeStore())
+    mesh = ParallelismConfig(
+        dp_replicate_size=sizes["dp_replicate"], dp_shard_size=sizes["dp_shard"], cp_size=sizes["cp"], tp_size=sizes["tp"]
+    ).build_device_mesh("cpu")
+    if mesh is None:  # a 1-process config
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard_cp",))
+
+    storage = getattr(model_config, "dtype", None) or torch.float32
+    if isinstance(storage, str):
+        storage = getattr(torch, storage)
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(model_config, dtype=storage)
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed)
+    if compute is not None:  # as Accelerate: fp32 master weights, compute in the policy's dtype
+        for p in net.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute is not None else None)
+    total_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    error = None
+    try:
+        PARALLELIZER.apply(
+            net,
+            mesh,
+            mp_policy=policy,
+            activation_checkpointing=bool(fsdp.get("fsdp_activation_checkpointing")),
+            reshard_after_forward=fsdp.get("fsdp_reshard_after_forward", True),
+        )
+    except NotImplementedError as exc:
+        error = str(exc)
+
+    shards = sizes["dp_shard"] * sizes["cp"]
+    units = _units(net, shards) if error is None else []
+    layers: list[dict[str, Any]] = []
+    other: list[dict[str, Any]] = []
+    for unit in units:
+        head = unit["modules"][0]
+        parts = head.split(".")
+        if "layers" in parts and parts.index("layers") + 1 < len(parts) and "visual" not in parts:
+            index = int(parts[parts.index("layers") + 1])
+            while len(layers) <= index:
+                layers.append({"layer": len(layers), "type": text_config.layer_types[len(layers)], "units": []})
+            layers[index]["units"].append(unit)
+        else:
+            other.append(unit)
+    sharded_total = sum(u["bytes_all_ranks"] for u in units)
+    compute_bytes = _DTYPE_BYTES.get(str(compute or storage).removeprefix("torch."), 4)
+    return {
+        "model": model if model == "tiny" else os.path.abspath(model),
+        "architecture": type(net).__name__.removeprefix("FSDP"),
+        "config": os.path.abspath(config),
+        "mesh": sizes,
+        "fsdp_shards": shards,
+        "mixed_precision": mixed,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "model_bytes": total_bytes,
+        "sharded_bytes_all_ranks": sharded_total,
+        "bytes_per_rank_max": sum(u["bytes_per_rank_max"] for u in units),
+        "layers": layers,
+        "other_units": other,
+        "context_parallel": _cp_comm(text_config, sizes["cp"], seq_len, compute_bytes),
+        "tensor_parallel": {"tp": sizes["tp"], "status": error or ("none" if sizes["tp"] == 1 else "applied")},
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _print_plan(p: dict[str, Any]) -> None:
+    m = p["mesh"]
+    print(f"{p['architecture']} ({p['parameters']:,} parameters, {_human(p['model_bytes'])}) from {p['model']}")
+    print(
+        f"mesh: world {m['world']} = dp_replicate {m['dp_replicate']} x dp_shard {m['dp_shard']} x cp {m['cp']} x tp {m['tp']}; "
+        f"FSDP2 shards over dp_shard_cp = {p['fsdp_shards']}; mixed_precision {p['mixed_precision']}"
+    )
+    if p["tensor_parallel"]["tp"] > 1:
+        print(f"tensor parallelism: {p['tensor_parallel']['status']}")
+    row = "  {:<52} {:>9} {:>9} {:>13} {:>12}"
+    print(row.format("unit (modules)", "storage", "compute", "params", "bytes/rank"))
+    for layer in p["layers"]:
+        print(f"layer {layer['layer']} ({layer['type']})")
+        for u in layer["units"]:
+            print(row.format("+".join(u["modules"])[-52:], u["storage"], u["compute"], f"{u['params']:,}", _human(u["bytes_per_rank_max"])))
+    print("other units")
+    for u in p["other_units"]:
+        print(row.format(("+".join(u["modules"]) or "(root)")[-52:], u["storage"], u["compute"], f"{u['params']:,}", _human(u["bytes_per_rank_max"])))
+    print(
+        f"parameters per rank (max): {_human(p['bytes_per_rank_max'])}; all ranks of one shard group together: "
+        f"{_human(p['sharded_bytes_all_ranks'])} (model: {_human(p['model_bytes'])})"
+    )
+    cp = p["context_parallel"]
+    if cp:
+        print(f"context parallelism (seq_len {cp['seq_len']}):")
+        for line in cp["layout"]:
+            print(f"  {line}")
+        print(
+            f"  sent per rank per layer (forward): linear_attention {_human(cp['linear_attention_bytes_per_rank'])}, "
+            f"full_attention {_human(cp['full_attention_bytes_per_rank'])}"
+        )
+    print(f"planned in {p['seconds']} s, nothing materialised (meta device)")
+
+
+def env() -> dict[str, Any]:
+    """Versions, plugin activation and patch points (what `env --json` prints)."""
+    import importlib.metadata as md
+    import platform
+
+    from . import __version__
+    from ._versions import SUPPORTED
+    from .integrations.settings import PluginSettings, settings_table
+
+    versions = {}
+    for dist_name in ("torch", "transformers", "accelerate"):
+        try:
+            versions[dist_name] = md.version(dist_name)
+        except md.PackageNotFoundError:
+            versions[dist_name] = None
+    entry_points = [ep.value for ep in md.entry_points(group="torch.backends") if ep.name == "qwen35_accel"]
+    try:
+        settings: dict[str, Any] | str = PluginSettings.from_env().__dict__
+    except ValueError as exc:
+        settings = f"invalid: {exc}"
+    import accelerate  # noqa: F401  (the autoload patches on this import)
+
+    from .integrations.accelerate import status
+
+    return {
+        "qwen35_accel": __version__,
+        "python": platform.python_version(),
+        "versions": versions,
+        "supported": {name: f">={lo},<{hi}" for name, (lo, hi, _why) in SUPPORTED.items()},
+        "autoload_entry_point": entry_points[0] if entry_points else None,
+        "QWEN35_ACCEL": os.environ.get("QWEN35_ACCEL", "(unset: on)"),
+        "settings": settings,
+        "settings_reference": settings_table(),
+        "plugin": status(),
+    }
+
+
+def _print_env(e: dict[str, Any]) -> None:
+    print(f"qwen35_accel {e['qwen35_accel']} (python {e['python']})")
+    for name, version in e["versions"].items():
+        print(f"  {name:<13} {version or 'not installed':<12} supported {e['supported'].get(name, '?')}")
+    plugin = e["plugin"]
+    state = "active" if plugin["active"] else "not active"
+    print(f"plugin: {state}; accelerate {plugin['accelerate']} (tested {plugin['tested_accelerate']})")
+    print(f"  autoload entry point: {e['autoload_entry_point'] or 'missing (reinstall the package)'}; QWEN35_ACCEL={e['QWEN35_ACCEL']}")
+    print("patch points:")
+    for point in plugin["patch_points"]:
+        print(f"  [{'x' if point['active'] else ' '}] {point['target']}: {point['purpose']}")
+    print("settings:")
+    for row in e["settings_reference"]:
+        print(f"  {row['variable']} (default {row['default']}): {row['meaning']}")
+
 
 def main(argv: list[str] | None = None) -> int:
-    raise SystemExit("qwen35-accel: commands not implemented yet")
+    parser = argparse.ArgumentParser(prog="qwen35-accel", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_plan = sub.add_parser("plan", help="mesh, FSDP2 units per layer, CP layout (meta device, no GPU)")
+    p_plan.add_argument("--model", required=True, help="a model directory / config.json, or 'tiny'")
+    p_plan.add_argument("--config", required=True, help="an Accelerate YAML (accelerate_configs/…)")
+    p_plan.add_argument("--seq-len", type=int, default=4096, help="sequence length for the CP traffic figures")
+    p_plan.add_argument("--json", action="store_true")
+    p_env = sub.add_parser("env", help="versions, plugin status, patch points, settings")
+    p_env.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+    if args.command == "plan":
+        result = plan(args.model, args.config, args.seq_len)
+        print(json.dumps(result, indent=2)) if args.json else _print_plan(result)
+    else:
+        result = env()
+        print(json.dumps(result, indent=2, default=str)) if args.json else _print_env(result)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

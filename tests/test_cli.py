@@ -1,0 +1,71 @@
+"""`qwen35-accel plan` / `env`: run as a user would, in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "accelerate_configs"
+
+
+def cli(*args: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "qwen35_accel.cli", *args, "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_plan_tiny_shows_mesh_dtype_uniform_units_and_cp_layout():
+    p = cli("plan", "--model", "tiny", "--config", str(CONFIGS / "cpu_fsdp2_dp2_cp2.yaml"), "--seq-len", "1024")
+    assert p["mesh"] == {"world": 4, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1} and p["fsdp_shards"] == 4
+    for layer in p["layers"]:
+        modules = [u["modules"][0] for u in layer["units"]]
+        assert modules[0] == f"model.layers.{layer['layer']}"
+        if layer["type"] == "linear_attention":
+            holder = next(u for u in layer["units"] if u["modules"][0].endswith("linear_attn._fp32_params"))
+            assert holder["storage"] == holder["compute"] == "float32" and holder["params"] == 8
+    assert p["sharded_bytes_all_ranks"] == p["model_bytes"]
+    cp = p["context_parallel"]
+    assert cp["layout"][0].startswith("rank 0: chunks 0 and 3 of 4")
+    # GatedDeltaNet traffic does not depend on the sequence; attention's does.
+    longer = cli("plan", "--model", "tiny", "--config", str(CONFIGS / "cpu_fsdp2_dp2_cp2.yaml"), "--seq-len", "4096")
+    assert longer["context_parallel"]["linear_attention_bytes_per_rank"] == cp["linear_attention_bytes_per_rank"]
+    assert longer["context_parallel"]["full_attention_bytes_per_rank"] == 4 * cp["full_attention_bytes_per_rank"]
+
+
+def test_plan_27b_config_on_meta_adds_up_to_the_model(tmp_path):
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    layers = 64  # Qwen3.5-27B-like shape: 3 GatedDeltaNet layers per full-attention layer
+    config = Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=layers,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        tie_word_embeddings=False, dtype="bfloat16",
+    )
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    p = cli("plan", "--model", str(tmp_path), "--config", str(CONFIGS / "fsdp2.yaml"))
+    assert 25e9 < p["parameters"] < 29e9 and p["mixed_precision"] == "bf16"
+    assert p["sharded_bytes_all_ranks"] == p["model_bytes"] == 4 * p["parameters"]  # fp32 master weights
+    assert p["bytes_per_rank_max"] * p["fsdp_shards"] >= p["model_bytes"]
+    unit = p["layers"][0]["units"][0]
+    assert (unit["storage"], unit["compute"]) == ("float32", "bfloat16")
+    assert len(p["layers"]) == layers
+
+
+def test_plan_reports_tensor_parallelism_as_not_implemented():
+    p = cli("plan", "--model", "tiny", "--config", str(CONFIGS / "fsdp2_tp2.yaml"))
+    assert "tensor parallelism is not implemented yet" in p["tensor_parallel"]["status"]
+
+
+def test_env_lists_versions_plugin_and_patch_points():
+    e = cli("env")
+    assert e["versions"]["torch"] and e["autoload_entry_point"] == "qwen35_accel_autoload:activate"
+    assert e["plugin"]["active"] and all(pt["active"] for pt in e["plugin"]["patch_points"])
+    assert {row["variable"] for row in e["settings_reference"]} >= {"QWEN35_ACCEL", "QWEN35_ACCEL_CPU_FSDP"}

@@ -306,7 +306,9 @@ def _print_env(e: dict[str, Any]) -> None:
     print(f"  autoload entry point: {e['autoload_entry_point'] or 'missing (reinstall the package)'}; QWEN35_ACCEL={e['QWEN35_ACCEL']}")
     print("patch points:")
     for point in plugin["patch_points"]:
-        print(f"  [{'x' if point['active'] else ' '}] {point['target']}: {point['purpose']}")
+        mark = "x" if point["active"] else ("~" if point["deferred"] else " ")
+        print(f"  [{mark}] {point['target']}: {point['purpose']}")
+    print("  ([~]: patched once that module is imported)")
     print("settings:")
     for row in e["settings_reference"]:
         print(f"  {row['variable']} (default {row['default']}): {row['meaning']}")

@@ -55,7 +55,7 @@ def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def launch(config: str, out: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config)]  # absolute paths pass through
     cmd += ["--main_process_port", _port(), str(RECIPE), *COMMON, "--output_dir", str(out), *args]
     return _run(cmd)
 
@@ -92,11 +92,14 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
-def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_loadable_checkpoint(reference, tmp_path):
+@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_loadable_checkpoint(reference, tmp_path, state_dict_type):
     from transformers import AutoModelForCausalLM
 
+    config = tmp_path / "config.yaml"  # the shipped config, with the state dict type under test
+    config.write_text((CONFIGS / "cpu_fsdp2.yaml").read_text().replace("FULL_STATE_DICT", state_dict_type))
     out = tmp_path / "fsdp2"
-    result = launch("cpu_fsdp2.yaml", out, "--per_device_train_batch_size", "2", *SGD)
+    result = launch(str(config), out, "--per_device_train_batch_size", "2", *SGD)
     assert PREPARED in result.stderr and "FSDP2 runs on CPU over gloo" in result.stderr
     assert_same_training(out, reference, rtol=1e-5)
 

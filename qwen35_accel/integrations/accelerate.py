@@ -31,8 +31,9 @@ from .settings import PluginSettings
 
 logger = logging.getLogger(__name__)
 
-# The Accelerate versions whose internals the patch points were written against and tested with.
+# The versions whose internals the patch points were written against and tested with.
 TESTED_ACCELERATE = ">=1.15,<1.16"
+TESTED_TRANSFORMERS = ">=5.24,<5.25"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,12 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "Accelerator.maybe_context_parallel",
         "dense Qwen3.5 under cp > 1: shards the step's buffers with qwen35_accel's layout",
     ),
+    PatchPoint(
+        "transformers.trainer",
+        "Trainer.save_model",
+        "dense Qwen3.5 under FSDP2 with a sharded state dict type: the explicit save_model writes a Hugging Face "
+        "checkpoint from the gathered weights (stock writes no weights at all)",
+    ),
 )
 
 _ORIGINAL = "__qwen35_accel_original__"
@@ -103,6 +110,16 @@ def accelerate_version_supported() -> tuple[bool, str]:
 
     version = accelerate.__version__
     return SpecifierSet(TESTED_ACCELERATE).contains(version, prereleases=True), version
+
+
+def transformers_version_supported() -> tuple[bool, str]:
+    """(whether the installed Transformers is in `TESTED_TRANSFORMERS`, its version)."""
+    import importlib.metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    version = importlib.metadata.version("transformers")
+    return SpecifierSet(TESTED_TRANSFORMERS).contains(version, prereleases=True), version
 
 
 def _is_dense_qwen35(model: Any) -> bool:
@@ -193,6 +210,8 @@ def _prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
         model = _the_model(args)
         if model is not None and _is_dense_qwen35(model):
             from ..model.fp32_gate import install_fp32_gate
+
+            install()  # the deferred points (transformers.trainer is imported by now if a Trainer runs)
 
             # Before Accelerate records parameter names for the optimizer mapping; the
             # Parameter objects themselves are kept, so the optimizer stays valid.
@@ -365,6 +384,28 @@ def _maybe_context_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _trainer_save_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        accelerator = getattr(self, "accelerator", None)
+        plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+        if (
+            not _internal_call  # periodic checkpoints stay DCP-sharded (resume reads them)
+            and plugin is not None
+            and getattr(accelerator, "is_fsdp2", False)
+            and "FULL_STATE_DICT" not in str(plugin.state_dict_type)
+            and getattr(self.model, "_qwen35_accel_prepared", False)
+        ):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state_dict = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            self._save(output_dir or self.args.output_dir, state_dict=state_dict)
+            return
+        original(self, output_dir, _internal_call)
+
+    return wrapper
+
+
 _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "PartialState._prepare_backend": _prepare_backend,
     "AcceleratorState.__init__": _accelerator_state_init,
@@ -374,6 +415,7 @@ _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "fsdp2_apply_ac": _fsdp2_apply_ac,
     "fsdp2_prepare_model": _fsdp2_prepare_model,
     "Accelerator.maybe_context_parallel": _maybe_context_parallel,
+    "Trainer.save_model": _trainer_save_model,
 }
 
 
@@ -402,8 +444,17 @@ def install() -> bool:
             "is not active (stock Accelerate behaviour). PARALLELIZER.apply still works directly."
         )
         return False
+    transformers_ok, transformers_version = transformers_version_supported()
     for point in PATCH_POINTS:
         if point in _installed:
+            continue
+        if not point.module.startswith("accelerate") and point.module not in sys.modules:
+            continue  # deferred: patched by a later install() once that module is imported
+        if point.module.startswith("transformers") and not transformers_ok:
+            _warn_once(
+                f"qwen35_accel: transformers {transformers_version} is outside the tested range {TESTED_TRANSFORMERS}; "
+                f"{point.module}.{point.attribute} is left unpatched."
+            )
             continue
         owner, name = _owner_and_name(point)
         original = _current(point)
@@ -434,14 +485,18 @@ def status() -> dict[str, Any]:
     points = []
     for point in PATCH_POINTS:
         active = False
-        if version is not None:
+        deferred = not point.module.startswith("accelerate") and point.module not in sys.modules
+        if version is not None and not deferred:  # status never imports anything
             with contextlib.suppress(Exception):
                 active = getattr(_current(point), _ORIGINAL, None) is not None
-        points.append({"target": f"{point.module}.{point.attribute}", "active": active, "purpose": point.purpose})
+        points.append(
+            {"target": f"{point.module}.{point.attribute}", "active": active, "deferred": deferred, "purpose": point.purpose}
+        )
     return {
         "accelerate": version,
         "tested_accelerate": TESTED_ACCELERATE,
         "supported": supported,
         "active": any(p["active"] for p in points),
+        "tested_transformers": TESTED_TRANSFORMERS,
         "patch_points": points,
     }

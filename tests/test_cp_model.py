@@ -177,3 +177,33 @@ def _cp_bad_input_worker(rank: int, world: int) -> None:
 
 def test_cp_rejects_what_it_cannot_compute_exactly():
     run_world(_cp_bad_input_worker, 2)
+
+
+def _layer_comm_worker(rank: int, world: int) -> None:
+    from qwen35_accel.model.fp32_gate import install_fp32_gate
+    from qwen35_accel.parallel.context_parallel.model import install_context_parallel
+    from qwen35_accel.tiny import build_tiny_causal_lm
+    from test_cp_ops import _comm_elements
+
+    model = build_tiny_causal_lm(seed=0)
+    install_fp32_gate(model)
+    install_context_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))  # no FSDP: CP traffic only
+    layer = model.model.layers[0].linear_attn
+    measured = {}
+    for seq in (256, 2048):
+        hidden = torch.randn(1, seq // world, model.config.hidden_size, generator=torch.Generator().manual_seed(rank))
+        hidden.requires_grad_()
+        out = {}
+        forward = _comm_elements(lambda: out.update(y=layer(hidden)))
+        backward = _comm_elements(lambda: out["y"].sum().backward())
+        measured[seq] = (forward, backward)
+    # The whole layer (conv halo + state summaries), forward and backward: same traffic at 256 and 2048 tokens.
+    assert measured[256] == measured[2048], measured
+    forward, _ = measured[256]
+    heads, k_dim, v_dim = layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    halo = 2 * layer.conv_dim * (layer.conv_kernel_size - 1)
+    assert sorted(n for _, n in forward) == sorted([halo, 2 * heads * k_dim * (k_dim + v_dim)]), forward
+
+
+def test_gated_delta_net_layer_cp_traffic_is_the_same_at_256_and_2048_tokens():
+    run_world(_layer_comm_worker, 2)

@@ -3,7 +3,9 @@ torch/transformers import happens here)."""
 
 from __future__ import annotations
 
+import os
 import re
+import warnings
 from importlib import metadata
 
 # name -> (minimum inclusive, maximum exclusive, why this minimum)
@@ -46,9 +48,14 @@ def check_versions(required: tuple[str, ...] = ("torch", "transformers")) -> dic
         if not (_release(lo) <= v < _release(hi)):
             problems.append(f"{name} {found[name]} is installed; qwen35-accel supports {name}>={lo},<{hi} ({why})")
     if problems:
-        raise ImportError(
+        message = (
             "qwen35-accel cannot run with these versions:\n  - "
             + "\n  - ".join(problems)
-            + "\nInstall a supported set, e.g. `pip install torch==2.13.0 transformers==5.24.0 accelerate==1.15.0`."
+            + "\nInstall a supported set, e.g. `pip install torch==2.13.0 transformers==5.24.0 accelerate==1.15.0`"
+            + " (QWEN35_ACCEL_IGNORE_VERSIONS=1 turns this into a warning, for experiments at your own risk)."
         )
+        if os.environ.get("QWEN35_ACCEL_IGNORE_VERSIONS", "").strip().lower() in ("1", "true", "yes", "on"):
+            warnings.warn(message, stacklevel=2)
+            return found
+        raise ImportError(message)
     return found

@@ -40,3 +40,10 @@ def test_missing_required_package_is_reported(monkeypatch):
     monkeypatch.setattr(_versions.metadata, "version", version)
     with pytest.raises(ImportError, match="transformers is not installed"):
         _versions.check_versions()
+
+
+def test_ignore_versions_turns_the_error_into_a_warning(monkeypatch):
+    monkeypatch.setattr(_versions.metadata, "version", lambda name: {"torch": "2.11.0"}.get(name, "5.24.0"))
+    monkeypatch.setenv("QWEN35_ACCEL_IGNORE_VERSIONS", "1")
+    with pytest.warns(UserWarning, match="torch 2.11.0 is installed"):
+        assert _versions.check_versions()["torch"] == "2.11.0"

@@ -36,6 +36,9 @@ class PluginSettings:
     fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of decoder-layer units in layer order")
     fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
     fsdp2_backward_prefetch_depth: int = _knob(2, "layers prefetched ahead in backward")
+    ignore_versions: bool = _knob(
+        False, "1: an unsupported torch/transformers/accelerate version warns at import instead of raising"
+    )
 
     @staticmethod
     def env_name(field: str) -> str:

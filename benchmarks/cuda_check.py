@@ -1,0 +1,185 @@
+"""CUDA checks of the context-parallel path, for a machine with one GPU.
+
+    python benchmarks/cuda_check.py [--device cuda] [--out DIR]
+
+One GPU cannot host a 2-rank NCCL group, so the 2-rank checks use gloo with CUDA tensors
+(both ranks on the same GPU): that exercises the device handling of every CP op (no
+CPU-only tensors, devices of masks, positions, identity matrices) and the CUDA kernels
+(SDPA with an explicit mask, the chunked rule), while NCCL itself stays untested here.
+Checks:
+1. environment: versions, GPU, optional kernels (flash-linear-attention, causal-conv1d);
+2. ops: a chunk's affine summary folded over 8 chunks equals Transformers' chunked rule
+   on the GPU (fp32, TF32 off; and bf16 inputs against the fp32 rule);
+3. model: CP layers (no FSDP) over 2 ranks equal the single-process model on the GPU
+   (fp32: loss, averaged gradients; bf16 at a longer sequence: within bf16 tolerance);
+4. FSDP2 + CP through `PARALLELIZER.apply` on the GPU over gloo (reported, not required:
+   gloo's CUDA collective coverage decides whether it runs).
+Writes `cuda_check.json` (all numbers) to --out and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+import torch
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def check_environment(device: str) -> dict:
+    import importlib.util
+
+    import accelerate
+    import transformers
+
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "device": device,
+        "fla": importlib.util.find_spec("fla") is not None,
+        "causal_conv1d": importlib.util.find_spec("causal_conv1d") is not None,
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def check_ops(device: str) -> dict:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    from qwen35_accel.ops.gated_delta import chunk_summary, fold_states, read_state
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    b, seq, hk, hv, dk, dv = 1, 2048, 4, 8, 128, 128
+    q = torch.randn(b, seq, hk, dk, generator=gen)
+    k = torch.randn(b, seq, hk, dk, generator=gen)
+    v = torch.randn(b, seq, hv, dv, generator=gen)
+    g = -torch.empty(b, seq, hv).uniform_(0.002, 0.05, generator=gen)
+    beta = torch.rand(b, seq, hv, generator=gen)
+    inputs = [t.to(device) for t in (q, k, v, g, beta)]
+    result = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16_inputs", torch.bfloat16)):
+        cast = [t.to(dtype) if i < 3 else t for i, t in enumerate(inputs)]
+        reference, final = torch_chunk_gated_delta_rule(
+            *[t.float() for t in inputs[:3]], g=inputs[3], beta=inputs[4], output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+        n = 8
+        parts = [chunk_summary(*(t[:, i * seq // n : (i + 1) * seq // n] for t in cast)) for i in range(n)]
+        states = fold_states([p[2] for p in parts], [p[3] for p in parts])
+        out = torch.cat([read_state(o0, w, s) for (o0, w, _, _), s in zip(parts, states)], dim=1)
+        result[name] = {"output_rel_err": _rel(out, reference), "final_state_rel_err": _rel(states[-1], final)}
+    torch.cuda.synchronize() if device == "cuda" else None
+    return result
+
+
+def _model_worker(rank: int, world: int, device: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.model.fp32_gate import install_fp32_gate
+    from qwen35_accel.parallel.context_parallel.model import install_context_parallel
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    results: dict = {}
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))  # gloo group; tensors live on `device`
+    for name, dtype, seq, shape in (
+        ("fp32_seq256", torch.float32, 256, {}),
+        ("bf16_seq8192", torch.bfloat16, 8192, dict(hidden_size=256, linear_num_value_heads=8, linear_num_key_heads=4,
+                                                    linear_key_head_dim=64, linear_value_head_dim=64, head_dim=64,
+                                                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)),
+    ):
+        reference = build_tiny_causal_lm(seed=0, dtype=dtype, **shape).to(device)
+        model = build_tiny_causal_lm(seed=0, dtype=dtype, **shape).to(device)
+        install_fp32_gate(model)
+        install_context_parallel(model, mesh)
+        batch = {k: v.to(device) for k, v in random_batch(1, seq, reference.config.vocab_size, seed=1).items()}
+        ref = reference(**batch)
+        ref.loss.backward()
+        started = time.perf_counter()
+        out = model(**shard_batch(batch, mesh))
+        out.loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        worst = 0.0
+        ref_params = dict(reference.named_parameters())
+        for pname, p in model.named_parameters():
+            grad = p.grad.detach().float().clone()
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM)  # what FSDP's average over the cp group does, × cp
+            worst = max(worst, _rel(grad / world, ref_params[pname].grad.float()))
+        results[name] = {
+            "loss": out.loss.item(), "reference_loss": ref.loss.item(),
+            "loss_rel_err": abs(out.loss.item() - ref.loss.item()) / abs(ref.loss.item()),
+            "max_grad_rel_err": worst, "cp_step_s": time.perf_counter() - started,
+            "gate_dtype": str(model.model.layers[0].linear_attn.A_log.dtype),
+        }
+    if rank == 0:
+        with open(os.path.join(out_dir, "model_check.json"), "w") as f:
+            json.dump(results, f)
+
+
+def _fsdp_worker(rank: int, world: int, device: str, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    mesh = init_device_mesh(device, (1, world), mesh_dim_names=("dp_shard", "cp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0).to(device), mesh)
+    batch = {k: v.to(device) for k, v in random_batch(1, 256, model.config.vocab_size, seed=1).items()}
+    loss = model(**shard_batch(batch, mesh["cp"])).loss
+    loss.backward()
+    if rank == 0:
+        with open(os.path.join(out_dir, "fsdp_check.json"), "w") as f:
+            json.dump({"loss": loss.item()}, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    from qwen35_accel.local_world import run_local_world
+
+    report: dict = {"environment": check_environment(args.device)}
+    for name, fn in (("ops", lambda: check_ops(args.device)),
+                     ("model_cp2", lambda: run_local_world(_model_worker, 2, args.device, args.out, threads_per_rank=4)),
+                     ("fsdp2_cp2", lambda: run_local_world(_fsdp_worker, 2, args.device, args.out, threads_per_rank=4))):
+        started = time.perf_counter()
+        try:
+            value = fn()
+            report[name] = value if value is not None else "ok"
+        except Exception:  # report and go on: one failing check must not hide the others
+            report[name] = {"error": traceback.format_exc()[-3000:]}
+        report[f"{name}_seconds"] = round(time.perf_counter() - started, 1)
+        print(name, json.dumps(report[name])[:1500], flush=True)
+    for extra in ("model_check.json", "fsdp_check.json"):
+        path = os.path.join(args.out, extra)
+        if os.path.exists(path):
+            report[extra] = json.load(open(path))
+    with open(os.path.join(args.out, "cuda_check.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2)[:6000])
+
+
+if __name__ == "__main__":
+    main()

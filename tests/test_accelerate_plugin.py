@@ -214,3 +214,78 @@ def test_disabled_by_env_in_a_fresh_process():
     env["QWEN35_ACCEL"] = "1"
     on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert (off.stdout.strip(), on.stdout.strip()) == ("False", "True")
+
+
+def _ram_efficient_worker(rank: int, world: int) -> None:
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    accelerator = _accelerator(world, 1, cpu_ram_efficient_loading=True)
+    reference = build_tiny_causal_lm(seed=0)
+    # Only rank 0 holds the real weights (as Transformers loads them under this setting);
+    # the other ranks start from different ones and must end with rank 0's.
+    model = build_tiny_causal_lm(seed=0 if rank == 0 else 123)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert getattr(model, "_qwen35_accel_prepared", False)
+    assert_params_match(model, reference, atol=0)
+    batch = random_batch(2, 16, reference.config.vocab_size, seed=3)
+    loss = model(**batch).loss
+    accelerator.backward(loss)
+    reference(**batch).loss.backward()
+    assert_grads_match(model, reference)
+    assert model.model.layers[0].linear_attn.A_log.dtype == torch.float32
+
+
+@pytest.mark.multiprocess
+def test_cpu_ram_efficient_loading_broadcasts_rank0_weights_into_the_sharded_model():
+    run_world(_ram_efficient_worker, 2)
+
+
+def _bf16_accelerate_worker(rank: int, world: int) -> None:
+    from qwen35_accel.parallel.fsdp import describe_units
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    accelerator = Accelerator(mixed_precision="bf16", fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    model = build_tiny_causal_lm(seed=0, dtype=torch.bfloat16)  # a bf16 checkpoint
+    for layer in model.model.layers:
+        if layer.block_type == "linear_attention":  # whose gate parameters were kept fp32
+            layer.linear_attn.A_log.data = layer.linear_attn.A_log.data.float()
+            layer.linear_attn.dt_bias.data = layer.linear_attn.dt_bias.data.float()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    rows = {r["unit"]: r for r in describe_units(model)}
+    # As stock Accelerate: fp32 master weights, bf16 compute; the gate holder computes in fp32.
+    assert (rows["model.layers.0"]["storage"], rows["model.layers.0"]["compute"]) == ("float32", "bfloat16")
+    holder = rows["model.layers.0.linear_attn._fp32_params"]
+    assert (holder["storage"], holder["compute"]) == ("float32", "float32")
+    loss = model(**random_batch(2, 16, model.config.vocab_size, seed=rank)).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.multiprocess
+def test_accelerate_bf16_mixed_precision_keeps_the_gate_in_fp32():
+    run_world(_bf16_accelerate_worker, 2)
+
+
+def test_the_wheel_carries_the_autoload_module_and_its_torch_entry_point(tmp_path):
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(root)],
+        check=True, capture_output=True, timeout=300,
+    )
+    wheel = next(tmp_path.glob("qwen35_accel-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "qwen35_accel_autoload.py" in names and "qwen35_accel/integrations/accelerate.py" in names
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "[torch.backends]\nqwen35_accel = qwen35_accel_autoload:activate" in entry_points
+    assert "qwen35-accel = qwen35_accel.cli:main" in entry_points

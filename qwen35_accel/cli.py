@@ -67,21 +67,35 @@ def _shard_rows(rows: int, shards: int) -> list[int]:
     return [max(0, min(chunk, rows - r * chunk)) for r in range(shards)]
 
 
-def _unit_bytes(group: Any, shards: int) -> list[int]:
+def _unit_bytes(group: Any, shards: int, tp_sliced: set[int], tp: int) -> tuple[list[int], int]:
+    """(bytes on each rank of one FSDP shard group, distinct bytes over the whole world)."""
     per_rank = [0] * shards
+    distinct = 0
     for fsdp_param in group.fsdp_params:
         param = fsdp_param.sharded_param
         shape = param.shape
         row = math.prod(shape[1:]) if len(shape) > 1 else 1
         for r, rows in enumerate(_shard_rows(shape[0], shards)):
             per_rank[r] += rows * row * param.element_size()
-    return per_rank
+        # A TP-sliced parameter holds 1/tp of the model's tensor on each tp rank.
+        distinct += math.prod(shape) * param.element_size() * (tp if id(param) in tp_sliced else 1)
+    return per_rank, distinct
 
 
-def _units(model: Any, shards: int) -> list[dict[str, Any]]:
+def _tp_sliced_params(model: Any) -> set[int]:
+    sliced: set[int] = set()
+    for layer in model.modules():
+        for path in getattr(layer, "_qwen35_tp_layouts", {}):
+            owner, _, name = path.rpartition(".")
+            sliced.add(id(layer.get_submodule(owner)._parameters[name]))
+    return sliced
+
+
+def _units(model: Any, shards: int, tp: int = 1) -> list[dict[str, Any]]:
     from torch.distributed.fsdp import FSDPModule
 
     rows: dict[int, dict[str, Any]] = {}
+    tp_sliced = _tp_sliced_params(model)
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -94,14 +108,14 @@ def _units(model: Any, shards: int) -> list[dict[str, Any]]:
         params = [fp.sharded_param for fp in group.fsdp_params]
         compute = group.mp_policy.param_dtype
         storage = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
-        per_rank = _unit_bytes(group, shards)
+        per_rank, distinct = _unit_bytes(group, shards, tp_sliced, tp)
         rows[id(group)] = {
             "modules": [name],
             "storage": storage,
             "compute": str(compute).removeprefix("torch.") if compute is not None else storage,
             "params": sum(p.numel() for p in params),
             "bytes_per_rank_max": max(per_rank),
-            "bytes_all_ranks": sum(per_rank),
+            "bytes_all_ranks": distinct,
         }
     return list(rows.values())
 
@@ -170,6 +184,7 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
                 p.data = p.data.to(torch.float32)
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute is not None else None)
     total_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    total_params = sum(p.numel() for p in net.parameters())
     error = None
     try:
         PARALLELIZER.apply(
@@ -183,7 +198,7 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
         error = str(exc)
 
     shards = sizes["dp_shard"] * sizes["cp"]
-    units = _units(net, shards) if error is None else []
+    units = _units(net, shards, sizes["tp"]) if error is None else []
     layers: list[dict[str, Any]] = []
     other: list[dict[str, Any]] = []
     for unit in units:
@@ -205,7 +220,7 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
         "mesh": sizes,
         "fsdp_shards": shards,
         "mixed_precision": mixed,
-        "parameters": sum(p.numel() for p in net.parameters()),
+        "parameters": total_params,
         "model_bytes": total_bytes,
         "sharded_bytes_all_ranks": sharded_total,
         "bytes_per_rank_max": sum(u["bytes_per_rank_max"] for u in units),
@@ -233,7 +248,7 @@ def _print_plan(p: dict[str, Any]) -> None:
         f"FSDP2 shards over dp_shard_cp = {p['fsdp_shards']}; mixed_precision {p['mixed_precision']}"
     )
     if p["tensor_parallel"]["tp"] > 1:
-        print(f"tensor parallelism: {p['tensor_parallel']['status']}")
+        print(f"tensor parallelism: {p['tensor_parallel']['status']} (by heads; sizes below are this rank's slices)")
     row = "  {:<52} {:>9} {:>9} {:>13} {:>12}"
     print(row.format("unit (modules)", "storage", "compute", "params", "bytes/rank"))
     for layer in p["layers"]:
@@ -244,7 +259,7 @@ def _print_plan(p: dict[str, Any]) -> None:
     for u in p["other_units"]:
         print(row.format(("+".join(u["modules"]) or "(root)")[-52:], u["storage"], u["compute"], f"{u['params']:,}", _human(u["bytes_per_rank_max"])))
     print(
-        f"parameters per rank (max): {_human(p['bytes_per_rank_max'])}; all ranks of one shard group together: "
+        f"parameters per rank (max): {_human(p['bytes_per_rank_max'])}; distinct bytes over all ranks: "
         f"{_human(p['sharded_bytes_all_ranks'])} (model: {_human(p['model_bytes'])})"
     )
     cp = p["context_parallel"]

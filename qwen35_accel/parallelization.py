@@ -19,6 +19,8 @@ from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
 from .parallel.activation_checkpointing import apply_activation_checkpointing
 from .parallel.context_parallel.model import check_context_parallel_supported, install_context_parallel
 from .parallel.fsdp import fully_shard_by_dtype, set_layer_prefetch
+from .parallel.tensor_parallel import apply_tensor_parallel
+from .parallel.tensor_parallel import check_divisible as check_tp_divisible
 
 __all__ = ["PARALLELIZER"]
 
@@ -76,7 +78,8 @@ class Qwen3_5ModelParallelizer:
     ) -> nn.Module:
         """Parallelize `model` over `device_mesh` and return it (the same object).
 
-        Steps: fp32 gate holders (`install_fp32_gate`), TP (tp > 1: not yet), activation
+        Steps: fp32 gate holders (`install_fp32_gate`), TP (tp > 1: head-parallel
+        `apply_tensor_parallel` on the `tp` dim; build the optimizer afterwards), activation
         checkpointing per decoder layer, dtype-uniform FSDP2 units (`apply_fsdp_sharding`)
         over `dp_shard_cp`, then CP (cp > 1: `install_context_parallel` on the `cp` dim;
         the model then expects each rank's part of the batch, see
@@ -103,10 +106,7 @@ class Qwen3_5ModelParallelizer:
             )
         tp_size = mesh_dim_size(device_mesh, tp_mesh_name)
         if tp_size > 1:
-            raise NotImplementedError(
-                f"tensor parallelism is not implemented yet in qwen35_accel (mesh dim {tp_mesh_name!r} has size "
-                f"{tp_size}); use a mesh where {tp_mesh_name!r} is absent or of size 1."
-            )
+            check_tp_divisible(model.config.get_text_config(), tp_size)
         cp_size = mesh_dim_size(device_mesh, cp_mesh_name)
         if cp_size > 1:
             check_context_parallel_supported(model)
@@ -116,6 +116,8 @@ class Qwen3_5ModelParallelizer:
             fsdp_mesh = device_mesh[dp_shard_cp_mesh_name]
 
         converted = install_fp32_gate(model)
+        if tp_size > 1:
+            apply_tensor_parallel(model, device_mesh[tp_mesh_name])
         if activation_checkpointing:
             apply_activation_checkpointing(parts.decoder_layers)
         self.apply_fsdp_sharding(
@@ -133,12 +135,13 @@ class Qwen3_5ModelParallelizer:
             install_context_parallel(model, device_mesh[cp_mesh_name])
         logger.info(
             "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s, "
-            "cp: %d)",
+            "cp: %d, tp: %d)",
             type(model).__name__,
             fsdp_mesh,
             converted,
             activation_checkpointing,
             cp_size,
+            tp_size,
         )
         return model
 

@@ -180,27 +180,6 @@ def test_other_models_take_accelerates_own_fsdp2_path():
     run_world(_llama_worker, 2)
 
 
-def _tp_refused_worker(rank: int, world: int) -> None:
-    from accelerate import Accelerator
-    from accelerate.parallelism_config import ParallelismConfig
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
-    from qwen35_accel.tiny import build_tiny_causal_lm
-
-    accelerator = Accelerator(
-        fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
-        parallelism_config=ParallelismConfig(dp_shard_size=world // 2, tp_size=2),
-    )
-    model = build_tiny_causal_lm()
-    with pytest.raises(NotImplementedError, match=r"tensor parallelism \(tp_size=2\) is not implemented yet"):
-        accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
-
-
-@pytest.mark.multiprocess
-def test_tensor_parallel_config_is_refused_clearly_for_qwen35():
-    run_world(_tp_refused_worker, 4)
-
-
 def test_disabled_by_env_in_a_fresh_process():
     import subprocess
     import sys

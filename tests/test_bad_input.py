@@ -31,15 +31,10 @@ def _bad_input_worker(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match=r"frozen_multimodal_sharding='all'; expected one of \('root', 'replicate', 'shard'\)"):
         PARALLELIZER.apply(build_tiny_causal_lm(), flat, frozen_multimodal_sharding="all")
 
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp"))
-    mesh["dp_shard"]._flatten("dp_shard_cp")
-    with pytest.raises(NotImplementedError, match=rf"tensor parallelism is not implemented yet .*mesh dim 'tp' has size {world}"):
-        PARALLELIZER.apply(build_tiny_causal_lm(), mesh)
-
-    # Nothing was modified by the refused calls: the model is still the plain one.
+    # Nothing was modified by a refused call: the model is still the plain one.
     model = build_tiny_causal_lm()
-    with pytest.raises(NotImplementedError):
-        PARALLELIZER.apply(model, mesh)
+    with pytest.raises(ValueError):
+        PARALLELIZER.apply(model, no_shard_dim)
     assert "A_log" in model.model.layers[0].linear_attn._parameters
 
     # Applying twice is refused.

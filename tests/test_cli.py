@@ -59,9 +59,13 @@ def test_plan_27b_config_on_meta_adds_up_to_the_model(tmp_path):
     assert len(p["layers"]) == layers
 
 
-def test_plan_reports_tensor_parallelism_as_not_implemented():
-    p = cli("plan", "--model", "tiny", "--config", str(CONFIGS / "fsdp2_tp2.yaml"))
-    assert "tensor parallelism is not implemented yet" in p["tensor_parallel"]["status"]
+def test_plan_shows_tensor_parallel_slices_that_add_up_to_the_model():
+    p = cli("plan", "--model", "tiny", "--config", str(CONFIGS / "cpu_fsdp2_tp2.yaml"))
+    assert p["tensor_parallel"] == {"tp": 2, "status": "applied"} and p["mesh"]["tp"] == 2
+    plain = cli("plan", "--model", "tiny", "--config", str(CONFIGS / "cpu_fsdp2.yaml"))
+    assert p["parameters"] == plain["parameters"] and p["sharded_bytes_all_ranks"] == p["model_bytes"]
+    holder = p["layers"][0]["units"][1]
+    assert holder["modules"][0].endswith("_fp32_params") and holder["params"] * 2 == plain["layers"][0]["units"][1]["params"]
 
 
 def test_env_lists_versions_plugin_and_patch_points():

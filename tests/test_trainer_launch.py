@@ -123,13 +123,18 @@ def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_loadable_che
 
 
 @pytest.mark.parametrize(
-    "config,per_device", [("cpu_fsdp2_cp2.yaml", "4"), ("cpu_fsdp2_dp2_cp2.yaml", "2")], ids=["cp2", "dp2xcp2"]
+    "config,per_device,shows",
+    [("cpu_fsdp2_cp2.yaml", "4", "cp=2"), ("cpu_fsdp2_dp2_cp2.yaml", "2", "cp=2"), ("cpu_fsdp2_tp2.yaml", "2", "tp=2")],
+    ids=["cp2", "dp2xcp2", "dp2xtp2"],
 )
-def test_context_parallel_launch_matches_one_process(reference_sgd, tmp_path, config, per_device):
-    out = tmp_path / "cp"
+def test_context_and_tensor_parallel_launches_match_one_process(reference_sgd, tmp_path, config, per_device, shows):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
     result = launch(config, out, "--per_device_train_batch_size", per_device, *SGD)
-    assert PREPARED in result.stderr and "cp=2" in result.stderr
+    assert PREPARED in result.stderr and shows in result.stderr
     assert_same_training(out, reference_sgd, rtol=1e-4)
+    assert AutoModelForCausalLM.from_pretrained(out).model.layers[0].linear_attn.A_log.dtype == torch.float32
 
 
 def test_resume_from_checkpoint_continues_with_the_uninterrupted_losses(tmp_path):

@@ -57,7 +57,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(
         "accelerate.accelerator",
         "Accelerator._prepare_tp",
-        "dense Qwen3.5: tensor parallelism is refused with a clear error (not implemented yet)",
+        "dense Qwen3.5: Accelerate's load-time TP path is skipped; the parallelizer splits the model by heads",
     ),
     PatchPoint(
         "accelerate.accelerator",
@@ -83,6 +83,11 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "accelerate.accelerator",
         "Accelerator.maybe_context_parallel",
         "dense Qwen3.5 under cp > 1: shards the step's buffers with qwen35_accel's layout",
+    ),
+    PatchPoint(
+        "accelerate.accelerator",
+        "Accelerator.clip_grad_norm_",
+        "dense Qwen3.5 under tp > 1: the norm of the whole gradient (split parameters summed over the tp group)",
     ),
     PatchPoint(
         "transformers.trainer",
@@ -313,7 +318,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
     cp = mesh_dim_size(mesh, "cp")
     _main_process_note(
         f"{type(model).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
-        f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, "
+        f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
         f"activation checkpointing={bool(plugin.activation_checkpointing)}"
     )
     return model
@@ -337,10 +342,12 @@ def _prepare_tp(original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, *args: Any) -> Any:
         model = _the_model(args)
         if model is not None and _is_dense_qwen35(model):
-            raise NotImplementedError(
-                f"tensor parallelism (tp_size={self.parallelism_config.tp_size}) is not implemented yet for dense "
-                "Qwen3.5 in qwen35_accel; use tp_size=1 (FSDP2 and context parallelism are supported)."
-            )
+            if not self.is_fsdp2:
+                raise ValueError("tensor parallelism for Qwen3.5 runs with FSDP2 (fsdp_version: 2 in the config)")
+            # Accelerate's TP path expects Transformers to have sharded the model at load
+            # time; ours splits it by heads in PARALLELIZER.apply (mesh dim "tp") during
+            # the FSDP2 preparation that follows.
+            return args
         return original(self, *args)
 
     return wrapper
@@ -384,6 +391,25 @@ def _maybe_context_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        from ..parallel.tensor_parallel import clip_grad_norm_, tensor_parallel_group
+
+        models = [m for m in getattr(self, "_models", []) if getattr(m, "_qwen35_accel_prepared", False)]
+        if len(models) == 1 and tensor_parallel_group(models[0]) is not None:
+            parameters = list(parameters)
+            if {id(p) for p in parameters} == {id(p) for p in models[0].parameters()}:
+                return clip_grad_norm_(models[0], max_norm, norm_type)
+            raise NotImplementedError(
+                "clip_grad_norm_ on a subset of a tensor-parallel Qwen3.5 model's parameters is not supported; "
+                "pass model.parameters()"
+            )
+        return original(self, parameters, max_norm, norm_type)
+
+    return wrapper
+
+
 def _trainer_save_model(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -415,6 +441,7 @@ _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "fsdp2_apply_ac": _fsdp2_apply_ac,
     "fsdp2_prepare_model": _fsdp2_prepare_model,
     "Accelerator.maybe_context_parallel": _maybe_context_parallel,
+    "Accelerator.clip_grad_norm_": _clip_grad_norm,
     "Trainer.save_model": _trainer_save_model,
 }
 

@@ -1,0 +1,386 @@
+"""Head-parallel tensor parallelism for dense Qwen3.5 (Megatron style, local tensors).
+
+Each tp rank keeps whole heads: its slice of every head-indexed projection, and runs the
+token mixers on those heads only. In particular each rank's GatedDeltaNet recurrence runs
+on num_value_heads / tp heads (Transformers' plan gathers every projection and runs all of
+them on every rank). Per decoder layer:
+
+- GatedDeltaNet: the q, k and v segments of the fused `in_proj_qkv` by key / value heads
+  (rank r owns key heads r·Hk/tp… and the value heads they serve, so GQA stays local),
+  `conv1d` channels to match, `in_proj_z`/`in_proj_b`/`in_proj_a` and the gate holder's
+  `A_log`/`dt_bias` by value heads, the gated norm replicated (per head), `out_proj` by
+  input columns;
+- attention: `q_proj` (query and output gate of each head), `k_proj`, `v_proj` by heads,
+  `q_norm`/`k_norm` replicated, `o_proj` by input columns;
+- MLP: `gate_proj`/`up_proj` by rows, `down_proj` by columns.
+Each block's input is the identity forward / all-reduce backward, its output an
+all-reduce forward / identity backward; replicated weights used on local heads (the
+norms) get their gradients all-reduced. Embeddings, layer norms and lm_head stay
+replicated. Parameters are plain tensors holding the local slice, so FSDP2 over the
+`dp_shard_cp` mesh and context parallelism compose unchanged. `state_dict()` gathers
+the slices back into Transformers' layout (the fused `in_proj_qkv` rows in their
+original order); `load_state_dict` accepts full tensors and keeps this rank's slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from transformers.activations import ACT2FN
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from ..model.detect import qwen35_parts
+from ..model.fp32_gate import HOLDER_NAME
+
+TP_GROUP_ATTR = "_qwen35_tp_group"
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient over the tp group (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """All-reduce forward over the tp group; identity backward (Megatron's g)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _CopyToTensorParallel.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _ReduceFromTensorParallel.apply(x, group)
+
+
+class TensorParallelRMSNorm(hf.Qwen3_5RMSNorm):
+    """`Qwen3_5RMSNorm` applied to this rank's heads (q_norm/k_norm): replicated weight,
+    gradient all-reduced over the tp group. Same arithmetic as Transformers'."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tp(self.weight, getattr(self, TP_GROUP_ATTR))
+        output = self._norm(x.float())
+        return (output * (1.0 + weight.float())).type_as(x)
+
+
+class TensorParallelRMSNormGated(hf.Qwen3_5RMSNormGated):
+    """GatedDeltaNet's per-head gated norm on this rank's heads (weight replicated,
+    gradient all-reduced). Same arithmetic as Transformers'."""
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tp(self.weight, getattr(self, TP_GROUP_ATTR))
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        hidden_states = weight * hidden_states.to(input_dtype)
+        hidden_states = hidden_states * ACT2FN[self.activation](gate.to(torch.float32))
+        return hidden_states.to(input_dtype)
+
+
+# ------------------------------------------------------------------ layouts
+
+Slicer = Callable[[torch.Tensor, int, int], torch.Tensor]  # (full, rank, tp) -> local
+
+
+def _blocks(sizes: list[int]) -> Slicer:
+    """Dim-0 segments of the given sizes, each cut into tp equal parts; rank r keeps part r
+    of every segment, concatenated (e.g. the q, k, v segments of in_proj_qkv)."""
+
+    def slicer(full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+        parts, start = [], 0
+        for size in sizes:
+            step = size // tp
+            parts.append(full.narrow(0, start + rank * step, step))
+            start += size
+        return torch.cat(parts, dim=0)
+
+    return slicer
+
+
+def _columns(full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    step = full.shape[1] // tp
+    return full.narrow(1, rank * step, step)
+
+
+def _unslice_blocks(sizes: list[int], parts: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of `_blocks`: parts[r] is rank r's concatenation."""
+    tp = len(parts)
+    segments = []
+    offsets = [0] * tp
+    for size in sizes:
+        step = size // tp
+        for r in range(tp):
+            segments.append(parts[r].narrow(0, offsets[r], step))
+            offsets[r] += step
+    return torch.cat(segments, dim=0)
+
+
+class _Sliced:
+    """How one parameter is split: `kind` "rows" (with dim-0 segment sizes) or "cols"."""
+
+    def __init__(self, kind: str, sizes: list[int] | None = None) -> None:
+        self.kind, self.sizes = kind, sizes
+
+    def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+        return _blocks(self.sizes)(full, rank, tp) if self.kind == "rows" else _columns(full, rank, tp)
+
+    def gather(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return _unslice_blocks(self.sizes, parts) if self.kind == "rows" else torch.cat(parts, dim=1)
+
+
+def _rows(*sizes: int) -> _Sliced:
+    return _Sliced("rows", list(sizes))
+
+
+_COLS = _Sliced("cols")
+
+
+def check_divisible(config: Any, tp: int) -> None:
+    """ValueError naming every head count (and the MLP width) that tp does not divide."""
+    counts = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "linear_num_key_heads": config.linear_num_key_heads,
+        "linear_num_value_heads": config.linear_num_value_heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    bad = {name: n for name, n in counts.items() if n % tp}
+    if bad:
+        raise ValueError(
+            "tensor parallelism splits whole heads: tp size "
+            f"{tp} must divide " + ", ".join(f"{name} = {n}" for name, n in bad.items())
+        )
+
+
+def _layouts(layer: nn.Module, config: Any) -> dict[str, _Sliced]:
+    """{parameter path inside the decoder layer: how it is split} for one layer."""
+    out: dict[str, _Sliced] = {"mlp.gate_proj.weight": _rows(config.intermediate_size),
+                               "mlp.up_proj.weight": _rows(config.intermediate_size),
+                               "mlp.down_proj.weight": _COLS}
+    if layer.block_type == "linear_attention":
+        gdn = layer.linear_attn
+        qkv = [gdn.key_dim, gdn.key_dim, gdn.value_dim]
+        out.update({
+            "linear_attn.in_proj_qkv.weight": _rows(*qkv),
+            "linear_attn.conv1d.weight": _rows(*qkv),
+            "linear_attn.in_proj_z.weight": _rows(gdn.value_dim),
+            "linear_attn.in_proj_b.weight": _rows(gdn.num_v_heads),
+            "linear_attn.in_proj_a.weight": _rows(gdn.num_v_heads),
+            f"linear_attn.{HOLDER_NAME}.A_log": _rows(gdn.num_v_heads),
+            f"linear_attn.{HOLDER_NAME}.dt_bias": _rows(gdn.num_v_heads),
+            "linear_attn.out_proj.weight": _COLS,
+        })
+        if gdn.conv1d.bias is not None:
+            out["linear_attn.conv1d.bias"] = _rows(*qkv)
+    else:
+        attn = layer.self_attn
+        q_rows = config.num_attention_heads * attn.head_dim * 2
+        kv_rows = config.num_key_value_heads * attn.head_dim
+        for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
+            out[f"self_attn.{name}.weight"] = _rows(rows)
+            if getattr(attn, name).bias is not None:
+                out[f"self_attn.{name}.bias"] = _rows(rows)
+        out["self_attn.o_proj.weight"] = _COLS
+    return out
+
+
+def _state_dict_key(path: str) -> str:
+    return path.replace(f".{HOLDER_NAME}.", ".")
+
+
+def _gather_hook(layouts: dict[str, _Sliced], group: dist.ProcessGroup) -> Callable[..., None]:
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        tp = dist.get_world_size(group)
+        for path, sliced in layouts.items():
+            key = prefix + _state_dict_key(path)
+            if key not in state_dict:
+                continue
+            local = state_dict[key]
+            if isinstance(local, DTensor):  # FSDP2 shards the local slice over dp: gather that first
+                local = local.full_tensor()
+            local = local.detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(parts, local, group=group)
+            state_dict[key] = sliced.gather(parts)
+
+    return hook
+
+
+def _slice_hook(layouts: dict[str, _Sliced], group: dist.ProcessGroup) -> Callable[..., None]:
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+        for path, sliced in layouts.items():
+            key = prefix + _state_dict_key(path)
+            if key in state_dict:
+                state_dict[key] = sliced.local(state_dict[key], rank, tp).contiguous()
+
+    return hook
+
+
+def _input_hook(group: dist.ProcessGroup) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if "hidden_states" in kwargs:
+            kwargs["hidden_states"] = copy_to_tp(kwargs["hidden_states"], group)
+        else:
+            args = (copy_to_tp(args[0], group), *args[1:])
+        return args, kwargs
+
+    return hook
+
+
+def _output_hook(group: dist.ProcessGroup) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (reduce_from_tp(output[0], group), *output[1:])
+        return reduce_from_tp(output, group)
+
+    return hook
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
+    """Split a dense Qwen3.5 model's decoder layers by heads over `tp_mesh`, in place.
+
+    Preconditions: fp32 gate holders installed; not yet sharded by FSDP2; the same
+    weights on every tp rank (they are sliced, not communicated). Creates new Parameter
+    objects: build the optimizer afterwards. Returns the number of layers split.
+    Raises ValueError naming every head count the tp size does not divide.
+    """
+    parts = qwen35_parts(model)
+    config = model.config.get_text_config()
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    group = tp_mesh.get_group()
+    check_divisible(config, tp)
+    for layer in parts.decoder_layers:
+        layouts = _layouts(layer, config)
+        for path, sliced in layouts.items():
+            owner_path, _, name = path.rpartition(".")
+            owner = layer.get_submodule(owner_path)
+            param = owner._parameters[name]
+            local = sliced.local(param.detach(), rank, tp).clone()
+            owner._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
+        if layer.block_type == "linear_attention":
+            gdn = layer.linear_attn
+            gdn.num_v_heads //= tp
+            gdn.num_k_heads //= tp
+            gdn.key_dim //= tp
+            gdn.value_dim //= tp
+            gdn.conv_dim //= tp
+            mixer = gdn
+            norms = [gdn.norm]
+        else:
+            mixer = layer.self_attn
+            norms = [mixer.q_norm, mixer.k_norm]
+        for norm in norms:
+            norm.__class__ = TensorParallelRMSNormGated if isinstance(norm, hf.Qwen3_5RMSNormGated) else TensorParallelRMSNorm
+            setattr(norm, TP_GROUP_ATTR, group)
+        for block in (mixer, layer.mlp):
+            block.register_forward_pre_hook(_input_hook(group), with_kwargs=True)
+            block.register_forward_hook(_output_hook(group), with_kwargs=True)
+        layer._qwen35_tp_layouts = layouts
+        layer.register_state_dict_post_hook(_gather_hook(layouts, group))
+        layer.register_load_state_dict_pre_hook(_slice_hook(layouts, group))
+        setattr(layer, TP_GROUP_ATTR, group)
+    return len(parts.decoder_layers)
+
+
+def gather_tensor_parallel(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The full (Transformers-layout) tensor of parameter `name` from this rank's `tensor`
+    (the parameter, or its gradient; a DTensor over dp is gathered first). Collective over
+    the tp group; tensors of parameters TP leaves whole are returned as they are."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    for prefix, layer in ((f"{n}.", m) for n, m in model.named_modules() if hasattr(m, "_qwen35_tp_layouts")):
+        if not name.startswith(prefix):
+            continue
+        rest = name[len(prefix):]
+        for path, sliced in layer._qwen35_tp_layouts.items():
+            if _state_dict_key(path) == rest:
+                group = getattr(layer, TP_GROUP_ATTR)
+                parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, tensor.detach().contiguous(), group=group)
+                return sliced.gather(parts)
+    return tensor
+
+
+def tensor_parallel_sliced(model: nn.Module) -> set[int]:
+    """ids of the parameters `apply_tensor_parallel` split (as the model holds them now)."""
+    sliced: set[int] = set()
+    for layer in model.modules():
+        for path in getattr(layer, "_qwen35_tp_layouts", {}):
+            owner, _, name = path.rpartition(".")
+            sliced.add(id(layer.get_submodule(owner)._parameters[name]))
+    return sliced
+
+
+def tensor_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
+    for module in model.modules():
+        group = getattr(module, TP_GROUP_ATTR, None)
+        if group is not None:
+            return group
+    return None
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for a tensor-parallel model: returns the norm of the
+    whole model's gradient and scales every gradient by the same factor on every rank.
+
+    Plain `clip_grad_norm_` on a TP model sees only this rank's slices of the split
+    parameters and so clips each tp rank by a different, too small norm. Here each
+    parameter's norm is taken over its FSDP shards (DTensor), the split ones are summed
+    over the tp group, the replicated ones counted once. `norm_type` 2 (or inf).
+    """
+    group = tensor_parallel_group(model)
+    sliced_ids = tensor_parallel_sliced(model)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.tensor(0.0)
+
+    def norm(p: nn.Parameter) -> torch.Tensor:
+        value = torch.linalg.vector_norm(p.grad.float(), norm_type)
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    norms = [(norm(p), id(p) in sliced_ids) for p in params]
+    device = norms[0][0].device
+    if norm_type == float("inf"):
+        split = torch.stack([n for n, s in norms if s] or [torch.zeros((), device=device)]).max()
+        whole = torch.stack([n for n, s in norms if not s] or [torch.zeros((), device=device)]).max()
+        if group is not None:
+            dist.all_reduce(split, op=dist.ReduceOp.MAX, group=group)
+        total = torch.maximum(split, whole)
+    else:
+        split = sum((n**norm_type for n, s in norms if s), torch.zeros((), device=device))
+        whole = sum((n**norm_type for n, s in norms if not s), torch.zeros((), device=device))
+        if group is not None:
+            dist.all_reduce(split, group=group)
+        total = (split + whole) ** (1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coefficient.to(p.grad.device))
+    return total

@@ -281,6 +281,12 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
                 param.data = param.data.to(torch.float32)
 
     ram_efficient = bool(plugin.cpu_ram_efficient_loading)
+    mesh = _fsdp_mesh(accelerator)
+    if ram_efficient and mesh_dim_size(mesh, "tp") > 1:
+        raise NotImplementedError(
+            "fsdp_cpu_ram_efficient_loading with tensor parallelism is not supported yet for Qwen3.5 (every tp rank "
+            "slices its heads from the full weights); set fsdp_cpu_ram_efficient_loading: false"
+        )
     if ram_efficient:
         original_sd = model.state_dict()
         buffer_fqns = get_non_persistent_buffers(model, recurse=True, fqns=True)
@@ -289,7 +295,6 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
         if hasattr(model, "tie_weights"):
             model.tie_weights()
 
-    mesh = _fsdp_mesh(accelerator)
     PARALLELIZER.apply(
         model,
         mesh,

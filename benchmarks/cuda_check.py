@@ -82,6 +82,37 @@ def check_ops(device: str) -> dict:
     return result
 
 
+def check_attention_memory(device: str) -> dict:
+    """Peak memory of one CP query chunk's attention (forward + backward), bf16: the
+    lower-right causal SDPA qwen35_accel uses vs an explicit [chunk, keys] boolean mask."""
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    b, h, hkv, chunk, keys, d = 1, 16, 4, 8192, 32768, 128
+    q = torch.randn(b, h, chunk, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, hkv, keys, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, hkv, keys, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.arange(keys, device=device)[None, :] <= (keys - chunk + torch.arange(chunk, device=device))[:, None]
+    result = {}
+    outs = {}
+    for name, kwargs in (("lower_right", dict(attn_mask=causal_lower_right(chunk, keys))), ("bool_mask", dict(attn_mask=mask))):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        started = time.perf_counter()
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+        out.float().sum().backward()
+        torch.cuda.synchronize()
+        result[name] = {"peak_extra_MiB": (torch.cuda.max_memory_allocated() - base) / 2**20, "s": time.perf_counter() - started}
+        outs[name] = (out.detach().float(), q.grad.float().clone())
+        q.grad = k.grad = v.grad = None
+    result["out_rel_err"] = _rel(outs["lower_right"][0], outs["bool_mask"][0])
+    result["dq_rel_err"] = _rel(outs["lower_right"][1], outs["bool_mask"][1])
+    return result
+
+
 def _model_worker(rank: int, world: int, device: str, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -162,6 +193,7 @@ def main() -> None:
 
     report: dict = {"environment": check_environment(args.device)}
     for name, fn in (("ops", lambda: check_ops(args.device)),
+                     ("attention_memory", lambda: check_attention_memory(args.device)),
                      ("model_cp2", lambda: run_local_world(_model_worker, 2, args.device, args.out, threads_per_rank=4)),
                      ("fsdp2_cp2", lambda: run_local_world(_fsdp_worker, 2, args.device, args.out, threads_per_rank=4))):
         started = time.perf_counter()

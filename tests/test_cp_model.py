@@ -31,7 +31,9 @@ def _padded_batch(rows: int, seq: int, vocab: int, seed: int) -> dict[str, torch
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _cp_parity_worker(rank: int, world: int, cp: int, seq: int, padded: bool, activation_checkpointing: bool) -> None:
+def _cp_parity_worker(
+    rank: int, world: int, cp: int, seq: int, padded: bool, activation_checkpointing: bool, attention: str = "sdpa"
+) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import gather_sequence, shard_batch
     from qwen35_accel.parallel.context_parallel.attention import (
@@ -46,6 +48,8 @@ def _cp_parity_worker(rank: int, world: int, cp: int, seq: int, padded: bool, ac
     rows_per_replica = 2
     reference = build_tiny_causal_lm(seed=0)
     model = build_tiny_causal_lm(seed=0)
+    for m in (reference, model):
+        m.config._attn_implementation = attention
     mesh = cp_mesh(world, cp)
     PARALLELIZER.apply(model, mesh, activation_checkpointing=activation_checkpointing)
     assert isinstance(model.model.layers[0].linear_attn, ContextParallelGatedDeltaNet)
@@ -81,17 +85,17 @@ def _cp_parity_worker(rank: int, world: int, cp: int, seq: int, padded: bool, ac
 
 
 @pytest.mark.parametrize(
-    "world,cp,seq,padded,ac",
+    "world,cp,seq,padded,ac,attention",
     [
-        (2, 2, 30, True, False),  # padded to 32 (2·cp divides), right padding inside the batch
-        (2, 2, 32, False, True),  # activation checkpointing: the recompute repeats the collectives
-        (4, 4, 32, False, False),  # local chunks of 4 tokens: the conv halo spans one chunk
-        (4, 2, 32, False, False),  # dp 2 × cp 2
+        (2, 2, 30, True, False, "sdpa"),  # padded to 32 (2·cp divides), right padding inside the batch
+        (2, 2, 32, False, True, "eager"),  # AC: the recompute repeats the collectives; eager attention
+        (4, 4, 32, False, False, "sdpa"),  # local chunks of 4 tokens: the conv halo spans one chunk
+        (4, 2, 32, False, False, "sdpa"),  # dp 2 × cp 2
     ],
-    ids=["cp2-padded", "cp2-ac", "cp4", "dp2xcp2"],
+    ids=["cp2-padded", "cp2-ac-eager", "cp4", "dp2xcp2"],
 )
-def test_cp_loss_grads_and_logits_match_single_process(world: int, cp: int, seq: int, padded: bool, ac: bool) -> None:
-    run_world(_cp_parity_worker, world, cp, seq, padded, ac)
+def test_cp_loss_grads_and_logits_match_single_process(world, cp, seq, padded, ac, attention) -> None:
+    run_world(_cp_parity_worker, world, cp, seq, padded, ac, attention)
 
 
 def _cp_bf16_worker(rank: int, world: int) -> None:

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from .collectives import all_gather_with_grad
@@ -24,13 +26,12 @@ from .layout import rank_chunks, unshard_sequence
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
-def _chunk_mask(chunk_len: int, chunk_index: int, dtype: torch.dtype, device: torch.device, boolean: bool) -> torch.Tensor:
-    """[1, 1, chunk_len, (chunk_index+1)·chunk_len]: query i of chunk `chunk_index` sees keys ≤ its global index."""
+def _chunk_mask(chunk_len: int, chunk_index: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive [1, 1, chunk_len, (chunk_index+1)·chunk_len] mask (eager attention): query i
+    of chunk `chunk_index` sees the keys up to its global index."""
     keys = (chunk_index + 1) * chunk_len
     query_pos = chunk_index * chunk_len + torch.arange(chunk_len, device=device)
     allowed = torch.arange(keys, device=device)[None, :] <= query_pos[:, None]
-    if boolean:
-        return allowed[None, None]
     return torch.zeros(chunk_len, keys, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
@@ -68,7 +69,21 @@ def cp_attention(
     outputs = []
     for slot, chunk_index in enumerate(rank_chunks(rank, cp)):
         end = (chunk_index + 1) * chunk_len
-        mask = _chunk_mask(chunk_len, chunk_index, query.dtype, query.device, boolean=implementation == "sdpa")
+        if implementation == "sdpa":
+            # Causal with the queries aligned to the end of the keys: flash / memory-efficient
+            # kernels take it without a [chunk, keys] mask (CPU builds the mask internally).
+            out = F.scaled_dot_product_attention(
+                query[:, :, slot * chunk_len : (slot + 1) * chunk_len],
+                full_key[:, :, :end],
+                full_value[:, :, :end],
+                attn_mask=causal_lower_right(chunk_len, end),
+                dropout_p=dropout,
+                scale=scaling,
+                enable_gqa=query.shape[1] != full_key.shape[1],
+            )
+            outputs.append(out.transpose(1, 2))
+            continue
+        mask = _chunk_mask(chunk_len, chunk_index, query.dtype, query.device)
         out, _ = interface(
             module,
             query[:, :, slot * chunk_len : (slot + 1) * chunk_len],

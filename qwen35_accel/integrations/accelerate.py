@@ -161,13 +161,36 @@ def _cpu_fsdp_wanted() -> bool:
     )
 
 
+_exit_hook_registered = False
+
+
+def _close_gloo_group_at_exit() -> None:
+    """Tear the gloo group down while the interpreter is still whole. Left to interpreter
+    finalisation, a rank of a finished run sometimes aborts there ("terminate called
+    without an active exception", seen with torch 2.13), which fails the launch."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        try:
+            dist.barrier()  # no rank closes its connections while a peer may still talk to it
+            dist.destroy_process_group()
+        except Exception:  # a peer already failed: its error is the one that matters
+            pass
+
+
 def _prepare_backend(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, cpu: bool = False, sagemaker_dp: bool = False, backend: str | None = None) -> Any:
         from accelerate.utils import DistributedType
 
+        global _exit_hook_registered
         chosen_backend, distributed_type = original(self, cpu, sagemaker_dp, backend)
         if distributed_type == DistributedType.NO and backend in (None, "gloo") and _cpu_fsdp_wanted():
+            if not _exit_hook_registered:
+                import atexit
+
+                atexit.register(_close_gloo_group_at_exit)
+                _exit_hook_registered = True
             return "gloo", DistributedType.MULTI_CPU
         return chosen_backend, distributed_type
 

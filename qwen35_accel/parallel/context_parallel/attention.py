@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
@@ -71,16 +72,21 @@ def cp_attention(
         end = (chunk_index + 1) * chunk_len
         if implementation == "sdpa":
             # Causal with the queries aligned to the end of the keys: flash / memory-efficient
-            # kernels take it without a [chunk, keys] mask (CPU builds the mask internally).
-            out = F.scaled_dot_product_attention(
-                query[:, :, slot * chunk_len : (slot + 1) * chunk_len],
-                full_key[:, :, :end],
-                full_value[:, :, :end],
-                attn_mask=causal_lower_right(chunk_len, end),
-                dropout_p=dropout,
-                scale=scaling,
-                enable_gqa=query.shape[1] != full_key.shape[1],
-            )
+            # kernels take it without a [chunk, keys] mask.
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = chunk_len, keys: int = end) -> torch.Tensor:
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=causal_lower_right(chunk, keys), dropout_p=dropout, scale=scaling,
+                    enable_gqa=q.shape[1] != k.shape[1],
+                )
+
+            args = (query[:, :, slot * chunk_len : (slot + 1) * chunk_len], full_key[:, :, :end], full_value[:, :, :end])
+            if query.device.type == "cpu" and torch.is_grad_enabled() and dropout == 0.0:
+                # The CPU kernels materialise that mask and keep it for backward: O(chunk x keys)
+                # per attention layer until the backward. Recomputing the attention there
+                # keeps only q, k, v.
+                out = torch.utils.checkpoint.checkpoint(attend, *args, use_reentrant=False)
+            else:
+                out = attend(*args)
             outputs.append(out.transpose(1, 2))
             continue
         mask = _chunk_mask(chunk_len, chunk_index, query.dtype, query.device)

@@ -95,7 +95,9 @@ def _tp_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "world,dp,cp,tp", [(2, 1, 1, 2), (4, 2, 1, 2), (4, 1, 2, 2)], ids=["tp2", "dp2xtp2", "cp2xtp2"]
+    "world,dp,cp,tp",
+    [(2, 1, 1, 2), (4, 2, 1, 2), (4, 1, 2, 2), (8, 2, 2, 2)],
+    ids=["tp2", "dp2xtp2", "cp2xtp2", "dp2xcp2xtp2"],
 )
 def test_tp_matches_single_process_through_adamw_steps(world, dp, cp, tp):
     run_world(_tp_worker, world, dp, cp, tp)

@@ -82,20 +82,13 @@ def _unit_bytes(group: Any, shards: int, tp_sliced: set[int], tp: int) -> tuple[
     return per_rank, distinct
 
 
-def _tp_sliced_params(model: Any) -> set[int]:
-    sliced: set[int] = set()
-    for layer in model.modules():
-        for path in getattr(layer, "_qwen35_tp_layouts", {}):
-            owner, _, name = path.rpartition(".")
-            sliced.add(id(layer.get_submodule(owner)._parameters[name]))
-    return sliced
-
-
 def _units(model: Any, shards: int, tp: int = 1) -> list[dict[str, Any]]:
     from torch.distributed.fsdp import FSDPModule
 
     rows: dict[int, dict[str, Any]] = {}
-    tp_sliced = _tp_sliced_params(model)
+    from .parallel.tensor_parallel import tensor_parallel_sliced
+
+    tp_sliced = tensor_parallel_sliced(model)
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue

@@ -268,3 +268,24 @@ def test_the_wheel_carries_the_autoload_module_and_its_torch_entry_point(tmp_pat
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "[torch.backends]\nqwen35_accel = qwen35_accel_autoload:activate" in entry_points
     assert "qwen35-accel = qwen35_accel.cli:main" in entry_points
+
+
+def test_activation_when_the_trainer_module_imports_accelerate_first():
+    # `from transformers import Trainer` as a script's first import: Accelerate is
+    # imported while transformers.trainer is still half-initialised; the plugin must
+    # patch Accelerate then and the Trainer point later, with no warning.
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings; warnings.simplefilter('error', UserWarning)\n"
+        "import transformers.trainer\n"
+        "from accelerate.accelerator import Accelerator\n"
+        "import qwen35_accel.integrations.accelerate as plugin\n"
+        "assert hasattr(Accelerator._prepare_fsdp2, '__qwen35_accel_original__')\n"
+        "plugin.install()\n"
+        "assert hasattr(transformers.trainer.Trainer.save_model, '__qwen35_accel_original__')\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, QWEN35_ACCEL="1"))
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -484,6 +484,17 @@ def _owner_and_name(point: PatchPoint) -> tuple[Any, str]:
     return owner, name
 
 
+def _resolvable(point: PatchPoint) -> bool:
+    """Whether the point's module is imported and its target already defined (a module
+    that is still being imported, e.g. transformers.trainer importing Accelerate, is not)."""
+    owner: Any = sys.modules.get(point.module)
+    for part in point.attribute.split("."):
+        if owner is None or not hasattr(owner, part):
+            return False
+        owner = getattr(owner, part)
+    return True
+
+
 def _current(point: PatchPoint) -> Any:
     owner, name = _owner_and_name(point)
     return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
@@ -503,8 +514,8 @@ def install() -> bool:
     for point in PATCH_POINTS:
         if point in _installed:
             continue
-        if not point.module.startswith("accelerate") and point.module not in sys.modules:
-            continue  # deferred: patched by a later install() once that module is imported
+        if not point.module.startswith("accelerate") and not _resolvable(point):
+            continue  # deferred: patched by a later install() once that module is fully imported
         if point.module.startswith("transformers") and not transformers_ok:
             _warn_once(
                 f"qwen35_accel: transformers {transformers_version} is outside the tested range {TESTED_TRANSFORMERS}; "
@@ -540,7 +551,7 @@ def status() -> dict[str, Any]:
     points = []
     for point in PATCH_POINTS:
         active = False
-        deferred = not point.module.startswith("accelerate") and point.module not in sys.modules
+        deferred = not point.module.startswith("accelerate") and not _resolvable(point)
         if version is not None and not deferred:  # status never imports anything
             with contextlib.suppress(Exception):
                 active = getattr(_current(point), _ORIGINAL, None) is not None

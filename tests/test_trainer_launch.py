@@ -166,3 +166,15 @@ def test_other_models_keep_accelerates_own_fsdp2_path_through_the_same_launch(tm
     assert PREPARED not in result.stderr and "FSDP2 runs on CPU over gloo" in result.stderr
     history = losses(out)
     assert history[-1] < history[0]
+
+
+def test_resuming_a_tensor_parallel_run_refuses_clearly(tmp_path):
+    first = tmp_path / "tp"
+    launch("cpu_fsdp2_tp2.yaml", first, "--per_device_train_batch_size", "2", "--max_steps", "2",
+           "--save_strategy", "steps", "--save_steps", "2")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu_fsdp2_tp2.yaml"),
+           "--main_process_port", _port(), str(RECIPE), *COMMON, "--output_dir", str(tmp_path / "resumed"),
+           "--per_device_train_batch_size", "2", "--resume_from_checkpoint", str(first / "checkpoint-2")]
+    result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode != 0
+    assert "resuming a tensor-parallel Qwen3.5 run" in result.stderr and "is not supported yet" in result.stderr

@@ -91,6 +91,11 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     ),
     PatchPoint(
         "transformers.trainer",
+        "Trainer._load_from_checkpoint",
+        "dense Qwen3.5 under tp > 1: a clear error (resuming a tensor-parallel run is not supported yet)",
+    ),
+    PatchPoint(
+        "transformers.trainer",
         "Trainer.save_model",
         "dense Qwen3.5 under FSDP2 with a sharded state dict type: the explicit save_model writes a Hugging Face "
         "checkpoint from the gathered weights (stock writes no weights at all)",
@@ -438,6 +443,23 @@ def _clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _trainer_load_from_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, resume_from_checkpoint: str, model: Any = None) -> Any:
+        from ..parallel.tensor_parallel import tensor_parallel_group
+
+        target = model if model is not None else self.model
+        if getattr(target, "_qwen35_accel_prepared", False) and tensor_parallel_group(target) is not None:
+            raise NotImplementedError(
+                f"resuming a tensor-parallel Qwen3.5 run from {resume_from_checkpoint} is not supported yet "
+                "(Accelerate's FSDP checkpoint loader copies full tensors into the per-head slices). Start a new run "
+                "from the checkpoint's weights (--model_name_or_path) or resume with tp_size 1."
+            )
+        return original(self, resume_from_checkpoint, model)
+
+    return wrapper
+
+
 def _trainer_save_model(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -470,6 +492,7 @@ _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "fsdp2_prepare_model": _fsdp2_prepare_model,
     "Accelerator.maybe_context_parallel": _maybe_context_parallel,
     "Accelerator.clip_grad_norm_": _clip_grad_norm,
+    "Trainer._load_from_checkpoint": _trainer_load_from_checkpoint,
     "Trainer.save_model": _trainer_save_model,
 }
 

@@ -83,34 +83,22 @@ def _unit_bytes(group: Any, shards: int, tp_sliced: set[int], tp: int) -> tuple[
 
 
 def _units(model: Any, shards: int, tp: int = 1) -> list[dict[str, Any]]:
-    from torch.distributed.fsdp import FSDPModule
-
-    rows: dict[int, dict[str, Any]] = {}
+    from .parallel.fsdp import describe_units, fsdp_unit_groups
     from .parallel.tensor_parallel import tensor_parallel_sliced
 
     tp_sliced = tensor_parallel_sliced(model)
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        if group is None:
-            continue
-        if id(group) in rows:
-            rows[id(group)]["modules"].append(name)
-            continue
-        params = [fp.sharded_param for fp in group.fsdp_params]
-        compute = group.mp_policy.param_dtype
-        storage = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
+    rows = []
+    for (names, group), row in zip(fsdp_unit_groups(model), describe_units(model)):
         per_rank, distinct = _unit_bytes(group, shards, tp_sliced, tp)
-        rows[id(group)] = {
-            "modules": [name],
-            "storage": storage,
-            "compute": str(compute).removeprefix("torch.") if compute is not None else storage,
-            "params": sum(p.numel() for p in params),
+        rows.append({
+            "modules": names,
+            "storage": row["storage"],
+            "compute": row["compute"],
+            "params": row["params"],
             "bytes_per_rank_max": max(per_rank),
             "bytes_all_ranks": distinct,
-        }
-    return list(rows.values())
+        })
+    return rows
 
 
 def _cp_comm(text_config: Any, cp: int, seq_len: int, compute_bytes: int) -> dict[str, Any]:

@@ -181,31 +181,38 @@ def set_layer_prefetch(layer_units: Sequence[Sequence[FSDPModule]], *, forward_d
                 outer.set_modules_to_backward_prefetch(behind)
 
 
-def describe_units(model: nn.Module) -> list[dict[str, object]]:
-    """One row per FSDP2 unit of `model`, in module order, for logs, the demo and `plan`.
-
-    Row: `unit` (module path, "" for the root; a tail group lists its modules), `params`
-    (element count), `trainable`, `storage` / `compute` dtype names. Reads FSDP2's unit
-    state (`FSDPModule._get_fsdp_state()`), the supported way to reach a unit's group.
-    """
-    rows: dict[int, dict[str, object]] = {}
+def fsdp_unit_groups(model: nn.Module) -> list[tuple[list[str], object]]:
+    """(module names, FSDP2 param group) per unit of `model`, in module order. A unit over
+    several modules (the tail) lists them all; units without parameters are skipped.
+    Reads FSDP2's unit state (`FSDPModule._get_fsdp_state()`), the supported way to reach
+    a unit's group."""
+    units: dict[int, tuple[list[str], object]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
         group = module._get_fsdp_state()._fsdp_param_group
         if group is None:
-            continue  # a unit without parameters
-        if id(group) in rows:  # a later member of a multi-module unit (the tail)
-            rows[id(group)]["unit"] += f"+{name}"
             continue
+        units.setdefault(id(group), ([], group))[0].append(name)
+    return list(units.values())
+
+
+def describe_units(model: nn.Module) -> list[dict[str, object]]:
+    """One row per FSDP2 unit of `model`, in module order, for logs and the demo.
+
+    Row: `unit` (module path, "" for the root; a tail group joins its modules with "+"),
+    `params` (element count), `trainable`, `storage` / `compute` dtype names.
+    """
+    rows = []
+    for names, group in fsdp_unit_groups(model):
         params = [fp.sharded_param for fp in group.fsdp_params]
         storages = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
         compute = group.mp_policy.param_dtype
-        rows[id(group)] = {
-            "unit": name,
+        rows.append({
+            "unit": "+".join(names),
             "params": sum(p.numel() for p in params),
             "trainable": sum(p.numel() for p in params if p.requires_grad),
             "storage": storages,
             "compute": str(compute).removeprefix("torch.") if compute is not None else storages,
-        }
-    return list(rows.values())
+        })
+    return rows

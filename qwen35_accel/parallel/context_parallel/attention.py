@@ -22,8 +22,8 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from .collectives import all_gather_with_grad
 from .layout import rank_chunks, unshard_sequence
 
-# Attention implementations whose mask handling is exact here (an explicit causal mask
-# per query chunk). Others (flash attention kernels) would need their own alignment rules.
+# Attention implementations whose causal alignment is exact here: SDPA with a lower-right
+# causal bias, eager with an additive mask. Flash-attention kernels are not wired yet.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
@@ -34,6 +34,17 @@ def _chunk_mask(chunk_len: int, chunk_index: int, dtype: torch.dtype, device: to
     query_pos = chunk_index * chunk_len + torch.arange(chunk_len, device=device)
     allowed = torch.arange(keys, device=device)[None, :] <= query_pos[:, None]
     return torch.zeros(chunk_len, keys, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def _sdpa_causal_lower_right(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scaling: float
+) -> torch.Tensor:
+    """Causal SDPA with the queries aligned to the end of the keys: flash and memory-efficient
+    kernels take it without a [queries, keys] mask. Returns [batch, heads, queries, dim]."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), dropout_p=dropout, scale=scaling,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
 
 
 def cp_attention(
@@ -61,7 +72,6 @@ def cp_attention(
             f"attention implementation {implementation!r} is not supported under context parallelism; "
             f"load the model with attn_implementation in {SUPPORTED_ATTENTION}"
         )
-    interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(implementation, hf.eager_attention_forward)
     cp = dist.get_world_size(group)
     rank = dist.get_rank(group)
     gathered = all_gather_with_grad(torch.stack([key, value]), group)  # [cp, 2, batch, kv_heads, local_seq, dim]
@@ -70,37 +80,21 @@ def cp_attention(
     outputs = []
     for slot, chunk_index in enumerate(rank_chunks(rank, cp)):
         end = (chunk_index + 1) * chunk_len
+        q = query[:, :, slot * chunk_len : (slot + 1) * chunk_len]
+        k, v = full_key[:, :, :end], full_value[:, :, :end]
         if implementation == "sdpa":
-            # Causal with the queries aligned to the end of the keys: flash / memory-efficient
-            # kernels take it without a [chunk, keys] mask.
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = chunk_len, keys: int = end) -> torch.Tensor:
-                return F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=causal_lower_right(chunk, keys), dropout_p=dropout, scale=scaling,
-                    enable_gqa=q.shape[1] != k.shape[1],
-                )
-
-            args = (query[:, :, slot * chunk_len : (slot + 1) * chunk_len], full_key[:, :, :end], full_value[:, :, :end])
-            if query.device.type == "cpu" and torch.is_grad_enabled() and dropout == 0.0:
-                # The CPU kernels materialise that mask and keep it for backward: O(chunk x keys)
-                # per attention layer until the backward. Recomputing the attention there
-                # keeps only q, k, v.
-                out = torch.utils.checkpoint.checkpoint(attend, *args, use_reentrant=False)
+            if q.device.type == "cpu" and torch.is_grad_enabled() and dropout == 0.0:
+                # The CPU kernels materialise the [chunk, keys] mask and keep it for backward
+                # until then; recomputing the attention in backward keeps only q, k, v.
+                out = torch.utils.checkpoint.checkpoint(_sdpa_causal_lower_right, q, k, v, dropout, scaling, use_reentrant=False)
             else:
-                out = attend(*args)
+                out = _sdpa_causal_lower_right(q, k, v, dropout, scaling)
             outputs.append(out.transpose(1, 2))
-            continue
-        mask = _chunk_mask(chunk_len, chunk_index, query.dtype, query.device)
-        out, _ = interface(
-            module,
-            query[:, :, slot * chunk_len : (slot + 1) * chunk_len],
-            full_key[:, :, :end],
-            full_value[:, :, :end],
-            mask,
-            dropout=dropout,
-            scaling=scaling,
-            **kwargs,
-        )
-        outputs.append(out)
+        else:
+            interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(implementation, hf.eager_attention_forward)
+            mask = _chunk_mask(chunk_len, chunk_index, query.dtype, query.device)
+            out, _ = interface(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
+            outputs.append(out)
     return torch.cat(outputs, dim=1)
 
 

@@ -13,7 +13,9 @@ Checks:
 3. model: CP layers (no FSDP) over 2 ranks equal the single-process model on the GPU
    (fp32: loss, averaged gradients; bf16 at a longer sequence: within bf16 tolerance);
 4. FSDP2 + CP through `PARALLELIZER.apply` on the GPU over gloo (reported, not required:
-   gloo's CUDA collective coverage decides whether it runs).
+   gloo's CUDA collective coverage decides whether it runs);
+5. tensor parallelism through `PARALLELIZER.apply` on the GPU (tp 2, and cp 2 x tp 2 on
+   4 ranks), fp32: loss and every gathered gradient against the single-process model.
 Writes `cuda_check.json` (all numbers) to --out and prints a summary.
 """
 
@@ -183,6 +185,43 @@ def _fsdp_worker(rank: int, world: int, device: str, out_dir: str) -> None:
             json.dump({"loss": loss.item()}, f)
 
 
+def _tp_worker(rank: int, world: int, device: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    cp = world // 2
+    mesh = init_device_mesh(device, (1, cp, 2), mesh_dim_names=("dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    reference = build_tiny_causal_lm(seed=0).to(device)
+    model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0).to(device), mesh)
+    batch = {k: v.to(device) for k, v in random_batch(2, 256, reference.config.vocab_size, seed=1).items()}
+    ref = reference(**batch)
+    ref.loss.backward()
+    out = model(**(shard_batch(batch, mesh["cp"]) if cp > 1 else batch))
+    out.loss.backward()
+    worst, devices = 0.0, set()
+    ref_params = {k.replace("._fp32_params.", "."): p for k, p in reference.named_parameters()}
+    for name, p in model.named_parameters():
+        devices.add(str(p.grad.device))
+        grad = gather_tensor_parallel(model, name, p.grad)
+        worst = max(worst, _rel(grad.float(), ref_params[name.replace("._fp32_params.", ".")].grad.float()))
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    if rank == 0:
+        with open(os.path.join(out_dir, f"tp_check_world{world}.json"), "w") as f:
+            json.dump({"loss_rel_err": abs(loss.item() - ref.loss.item()) / abs(ref.loss.item()),
+                       "max_grad_rel_err": worst, "grad_devices": sorted(devices)}, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -195,7 +234,9 @@ def main() -> None:
     for name, fn in (("ops", lambda: check_ops(args.device)),
                      ("attention_memory", lambda: check_attention_memory(args.device)),
                      ("model_cp2", lambda: run_local_world(_model_worker, 2, args.device, args.out, threads_per_rank=4)),
-                     ("fsdp2_cp2", lambda: run_local_world(_fsdp_worker, 2, args.device, args.out, threads_per_rank=4))):
+                     ("fsdp2_cp2", lambda: run_local_world(_fsdp_worker, 2, args.device, args.out, threads_per_rank=4)),
+                     ("tp2", lambda: run_local_world(_tp_worker, 2, args.device, args.out, threads_per_rank=4)),
+                     ("cp2xtp2", lambda: run_local_world(_tp_worker, 4, args.device, args.out, threads_per_rank=2))):
         started = time.perf_counter()
         try:
             value = fn()
@@ -204,7 +245,7 @@ def main() -> None:
             report[name] = {"error": traceback.format_exc()[-3000:]}
         report[f"{name}_seconds"] = round(time.perf_counter() - started, 1)
         print(name, json.dumps(report[name])[:1500], flush=True)
-    for extra in ("model_check.json", "fsdp_check.json"):
+    for extra in ("model_check.json", "fsdp_check.json", "tp_check_world2.json", "tp_check_world4.json"):
         path = os.path.join(args.out, extra)
         if os.path.exists(path):
             report[extra] = json.load(open(path))

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 def _units_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.parallel.fsdp import describe_units
-    from qwen35_accel.tiny import build_tiny_causal_lm
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -46,6 +46,28 @@ def _units_worker(rank: int, world: int) -> None:
     assert prefetch(0, "forward") == ["model.layers.1", "model.layers.1.linear_attn._fp32_params"]
     assert prefetch(3, "backward") == ["model.layers.2", "model.layers.1", "model.layers.1.linear_attn._fp32_params"]
     assert prefetch(5, "forward") == []
+
+    # The holders' gradients are reduced at the end of backward, not mid-way through their
+    # layer's (GateInput): when the backward reaches a layer's input norm (its GatedDeltaNet
+    # done), the holder's sharded gradient does not exist yet; after backward it does.
+    def sharded_grad(i):
+        holder = model.model.layers[i].linear_attn._fp32_params
+        return holder._get_fsdp_state()._fsdp_param_group.fsdp_params[0].sharded_param.grad
+
+    seen = {}
+
+    def record(i):
+        def hook(module, grad_output):
+            seen[i] = sharded_grad(i) is None
+
+        return hook
+
+    for i in gdn_layers:
+        model.model.layers[i].input_layernorm.register_full_backward_pre_hook(record(i))
+    batch = random_batch(2, 16, model.config.vocab_size, seed=rank)
+    model(**batch).loss.backward()
+    assert seen == dict.fromkeys(gdn_layers, True), seen
+    assert all(sharded_grad(i) is not None for i in gdn_layers)
 
     off = PARALLELIZER.apply(build_tiny_causal_lm(num_hidden_layers=6), mesh, enable_fsdp2_prefetch=False)
     assert off.model.layers[0]._get_fsdp_state()._states_to_forward_prefetch == []

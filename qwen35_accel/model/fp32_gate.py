@@ -27,6 +27,24 @@ HOLDER_NAME = "_fp32_params"
 GATE_PARAM_NAMES = ("A_log", "dt_bias")
 
 
+class GateInput:
+    """The holder's input `a` in a wrapper FSDP2 does not look into (it traverses only
+    tensors, dicts, lists, tuples and dataclasses).
+
+    FSDP2 runs a unit's post-backward, its gradient reduce-scatter, once the gradients of
+    the tensors its forward received exist. For the holder that is mid-way through its
+    layer's backward: one more point per layer where ranks wait for each other (gloo
+    collectives are synchronous; 2-3% of a small model's step on CPU). Given no tensor,
+    FSDP2 reduces the holder from its end-of-backward callback, after the other units.
+    Autograd is unaffected: gradients still flow to `a`.
+    """
+
+    __slots__ = ("a",)
+
+    def __init__(self, a: torch.Tensor) -> None:
+        self.a = a
+
+
 class Fp32GateParams(nn.Module):
     """Holds `A_log` and `dt_bias` ([num_v_heads], fp32) and computes the decay gate.
 
@@ -44,11 +62,14 @@ class Fp32GateParams(nn.Module):
                 param.data = param.data.to(torch.float32)
             self.register_parameter(name, param)
 
-    def forward(self, a: torch.Tensor) -> torch.Tensor:
-        """`a`: [batch, seq, num_v_heads], any float dtype -> g: same shape, fp32.
+    def forward(self, a: torch.Tensor | GateInput) -> torch.Tensor:
+        """`a`: [batch, seq, num_v_heads], any float dtype (or wrapped in `GateInput`)
+        -> g: same shape, fp32.
 
         Same expression as Transformers' GatedDeltaNet (bitwise equal for fp32 params).
         """
+        if isinstance(a, GateInput):
+            a = a.a
         return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
@@ -147,8 +168,7 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         query, key, value = self._split_heads(mixed_qkv.transpose(1, 2))
 
         beta = b.sigmoid()
-        # Through the holder's forward: under FSDP2 this is what gathers A_log/dt_bias in fp32.
-        g = getattr(self, HOLDER_NAME)(a)
+        g = self.gate(a)
 
         rule = hf.torch_recurrent_gated_delta_rule if recurrent_state is not None and seq_len == 1 else hf.torch_chunk_gated_delta_rule
         core_attn_out, last_recurrent_state = rule(
@@ -167,6 +187,14 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
             cache.update_recurrent_state(last_recurrent_state, self.layer_idx)
 
         return self._gated_output(core_attn_out, z)
+
+    def gate(self, a: torch.Tensor) -> torch.Tensor:
+        """g [batch, seq, num_v_heads] fp32 from `a` = in_proj_a(hidden_states).
+
+        Through the holder's forward: under FSDP2 that is what gathers A_log/dt_bias in
+        fp32. `GateInput` defers the holder's gradient reduction to the end of backward.
+        """
+        return getattr(self, HOLDER_NAME)(GateInput(a))
 
     def _split_heads(self, mixed_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Post-conv [batch, seq, conv_dim] -> query, key [batch, seq, k_heads, k_dim], value [batch, seq, v_heads, v_dim]."""

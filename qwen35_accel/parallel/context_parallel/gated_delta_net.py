@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from ...model.fp32_gate import HOLDER_NAME, Fp32GateGatedDeltaNet
+from ...model.fp32_gate import Fp32GateGatedDeltaNet
 from ...ops.gated_delta import Kernel, chunk_summary, fold_states, read_state
 from .collectives import all_gather_with_grad
 from .layout import chunk_owner, rank_chunks
@@ -142,7 +142,7 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
         )
         z = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.head_v_dim)
         beta = self.in_proj_b(hidden_states).sigmoid()
-        g = getattr(self, HOLDER_NAME)(self.in_proj_a(hidden_states))
+        g = self.gate(self.in_proj_a(hidden_states))
         query, key, value = self._split_heads(mixed_qkv.transpose(1, 2))
         core_attn_out = cp_gated_delta_rule(query, key, value, g, beta, group=group)
         return self._gated_output(core_attn_out, z)

@@ -220,6 +220,87 @@ def test_cpu_ram_efficient_loading_broadcasts_rank0_weights_into_the_sharded_mod
     run_world(_ram_efficient_worker, 2)
 
 
+def _ram_efficient_tp_worker(rank: int, world: int) -> None:
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    accelerator = Accelerator(
+        fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True),
+        parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2),
+    )
+    reference = build_tiny_causal_lm(seed=0)
+    model = build_tiny_causal_lm(seed=0 if rank == 0 else 123)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert model.model.layers[0].linear_attn.num_v_heads == reference.config.linear_num_value_heads // 2
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    expected = reference.state_dict()
+    assert set(state) == set(expected)
+    for key, value in expected.items():
+        assert_close(state[key], value, f"state_dict[{key}]", atol=0, rtol=0)
+    replica = accelerator.torch_device_mesh["dp_shard"].get_local_rank()
+    batch = random_batch(4, 16, reference.config.vocab_size, seed=3)
+    loss = model(**{k: v[2 * replica : 2 * replica + 2] for k, v in batch.items()}).loss
+    accelerator.backward(loss)
+    reference(**batch).loss.backward()
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close(gather_tensor_parallel(model, name, p.grad), ref_params[name].grad, f"grad of {name}")
+
+
+@pytest.mark.multiprocess
+def test_cpu_ram_efficient_loading_under_tensor_parallelism():
+    run_world(_ram_efficient_tp_worker, 4)
+
+
+def _save_load_state_tp_worker(rank: int, world: int, state_dict_type: str, tmp: str) -> None:
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    accelerator = Accelerator(
+        fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type),
+        parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2),
+    )
+    model = build_tiny_causal_lm(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    replica = accelerator.torch_device_mesh["dp_shard"].get_local_rank()
+
+    def step(i):
+        batch = random_batch(4, 16, model.config.vocab_size, seed=30 + i)
+        loss = model(**{k: v[2 * replica : 2 * replica + 2] for k, v in batch.items()}).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    def weights():
+        return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in model.state_dict().items()}
+
+    step(0)
+    accelerator.save_state(tmp)
+    expected = [step(1), step(2)]
+    final = weights()
+    accelerator.load_state(tmp)  # back to after step 0: weights and AdamW state
+    for i, want in zip((1, 2), expected):
+        assert_close(step(i), want, f"loss at step {i} after load_state", rtol=1e-6)
+    for key, value in weights().items():
+        assert_close(value, final[key], f"{key} after load_state", rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+def test_save_and_load_state_under_tensor_parallelism(tmp_path, state_dict_type):
+    run_world(_save_load_state_tp_worker, 4, state_dict_type, str(tmp_path))
+
+
 def _bf16_accelerate_worker(rank: int, world: int) -> None:
     from qwen35_accel.parallel.fsdp import describe_units
     from qwen35_accel.tiny import build_tiny_causal_lm, random_batch

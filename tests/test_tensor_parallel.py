@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -151,3 +153,108 @@ def _bad_tp_worker(rank: int, world: int) -> None:
 
 def test_tp_refuses_head_counts_it_cannot_split():
     run_world(_bad_tp_worker, 2)
+
+
+def _train_step(model, opt, batch, replica: int, per_rank: int) -> torch.Tensor:
+    local = {k: v[per_rank * replica : per_rank * (replica + 1)] for k, v in batch.items()}
+    loss = model(**local).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _resume_worker(rank: int, world: int, tmp: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.parallel.tensor_parallel import load_full_state_dict, register_optimizer_state_layout
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    def build(dp: int, tp: int, seed: int):
+        mesh = mesh_for(world, dp, 1, tp)
+        model = PARALLELIZER.apply(build_tiny_causal_lm(seed=seed), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        register_optimizer_state_layout(model, opt)
+        return model, opt, mesh["dp_shard"].get_local_rank()
+
+    batches = [random_batch(4, 16, 96, seed=20 + step) for step in range(4)]
+    model, opt, replica = build(2, 2, seed=0)  # dp 2 x tp 2
+    reference = build_tiny_causal_lm(seed=0)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    _train_step(model, opt, batches[0], replica, 2)
+    _train_step(reference, ref_opt, batches[0], 0, 4)
+
+    # Full optimizer state: Transformers layout, equal to the single-process optimizer's
+    # (after one step: later, AdamW turns noise-level gradient differences into lr-sized ones).
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True)
+    full_optim = get_optimizer_state_dict(model, opt, options=full)
+    ref_state = {name: ref_opt.state[p] for name, p in reference.named_parameters()}
+    if rank == 0:
+        assert set(full_optim["state"]) == set(ref_state)
+        for name, state in full_optim["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert_close(state[key], ref_state[name][key], f"optimizer {name}.{key}")
+
+    _train_step(model, opt, batches[1], replica, 2)
+    # Copies: the state dicts share the optimizer's live `step` tensors, which go on counting.
+    full_model = copy.deepcopy(get_model_state_dict(model, options=full))
+    full_optim = copy.deepcopy(get_optimizer_state_dict(model, opt, options=full))
+
+    # Sharded (DCP) checkpoint of model and optimizer.
+    sharded_dir = f"{tmp}/sharded"
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=sharded_dir)
+
+    expected = [_train_step(model, opt, batches[step], replica, 2) for step in (2, 3)]
+    final = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+
+    def check_resumed(resumed, resumed_opt, resumed_replica, per_rank, what, rtol):
+        for i, step in enumerate((2, 3)):
+            loss = _train_step(resumed, resumed_opt, batches[step], resumed_replica, per_rank)
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+            want = expected[i].clone()
+            dist.all_reduce(want, op=dist.ReduceOp.AVG)
+            assert_close(loss, want, f"{what}: loss at step {step}", rtol=rtol)
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in resumed.state_dict().items()}
+        for key, value in final.items():
+            assert_close(state[key], value, f"{what}: {key} after resuming", rtol=rtol, atol=1e-6)
+
+    def load_sharded(dp, tp, seed):
+        resumed, resumed_opt, resumed_replica = build(dp, tp, seed)
+        state = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, resumed_opt)}
+        dcp.load(state, checkpoint_id=sharded_dir)
+        set_model_state_dict(resumed, state["model"])
+        set_optimizer_state_dict(resumed, resumed_opt, state["optim"])
+        return resumed, resumed_opt, resumed_replica
+
+    # 1. Same layout, from the sharded checkpoint (what Accelerate's SHARDED_STATE_DICT does).
+    resumed, resumed_opt, _ = load_sharded(2, 2, seed=5)
+    check_resumed(resumed, resumed_opt, replica, 2, "sharded", rtol=1e-6)
+
+    # 2. Same layout, from full state dicts on rank 0 (FULL_STATE_DICT checkpoints).
+    resumed, resumed_opt, _ = build(2, 2, seed=6)
+    load_full_state_dict(resumed, full_model if rank == 0 else None)
+    set_optimizer_state_dict(resumed, resumed_opt, full_optim if rank == 0 else {}, options=full)
+    check_resumed(resumed, resumed_opt, replica, 2, "full", rtol=1e-6)
+
+    # 3. The checkpoint does not depend on the tp size: resume the sharded one at dp 4, tp 1.
+    resumed, resumed_opt, replica4 = load_sharded(4, 1, seed=7)
+    check_resumed(resumed, resumed_opt, replica4, 1, "tp 2 -> tp 1", rtol=1e-5)
+
+    # Wrong shapes are named, on every rank.
+    with pytest.raises(ValueError, match=r"shapes \['model.embed_tokens.weight: \[95, 32\]"):
+        broken = dict(full_model) if rank == 0 else None
+        if rank == 0:
+            broken["model.embed_tokens.weight"] = broken["model.embed_tokens.weight"][:95]
+        load_full_state_dict(resumed, broken)
+
+
+def test_tp_checkpoints_resume_sharded_full_and_at_another_tp_size(tmp_path):
+    run_world(_resume_worker, 4, str(tmp_path))

@@ -90,9 +90,16 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "dense Qwen3.5 under tp > 1: the norm of the whole gradient (split parameters summed over the tp group)",
     ),
     PatchPoint(
+        "accelerate.accelerator",
+        "load_fsdp_model",
+        "dense Qwen3.5 under tp > 1 with FULL_STATE_DICT (Accelerator.load_state): rank 0's file broadcast into the "
+        "per-head slices (torch's full-state-dict loading copies full tensors into them)",
+    ),
+    PatchPoint(
         "transformers.trainer",
         "Trainer._load_from_checkpoint",
-        "dense Qwen3.5 under tp > 1: a clear error (resuming a tensor-parallel run is not supported yet)",
+        "dense Qwen3.5 under tp > 1 with FULL_STATE_DICT (resume_from_checkpoint): as load_fsdp_model above (the "
+        "Trainer holds its own reference to Accelerate's function)",
     ),
     PatchPoint(
         "transformers.trainer",
@@ -250,9 +257,25 @@ def _prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
             # Parameter objects themselves are kept, so the optimizer stays valid.
             install_fp32_gate(model)
             _present_layer_classes_only(self.state.fsdp_plugin, model)
-        return original(self, *args)
+        result = original(self, *args)
+        if model is not None and getattr(model, "_qwen35_accel_prepared", False):
+            _register_tensor_parallel_optimizers(model, result if isinstance(result, (tuple, list)) else (result,))
+        return result
 
     return wrapper
+
+
+def _register_tensor_parallel_optimizers(model: nn.Module, prepared: tuple[Any, ...]) -> None:
+    """Under TP, checkpoints (Accelerate's save_state, the Trainer's) must see each
+    optimizer's state in Transformers' layout, as the model's."""
+    from ..parallel.tensor_parallel import register_optimizer_state_layout, tensor_parallel_group
+
+    if tensor_parallel_group(model) is None:
+        return
+    for obj in prepared:
+        optimizer = getattr(obj, "optimizer", obj)  # AcceleratedOptimizer wraps the torch one
+        if isinstance(optimizer, torch.optim.Optimizer):
+            register_optimizer_state_layout(model, optimizer)
 
 
 def _present_layer_classes_only(plugin: Any, model: nn.Module) -> None:
@@ -310,10 +333,12 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
 
     ram_efficient = bool(plugin.cpu_ram_efficient_loading)
     mesh = _fsdp_mesh(accelerator)
-    if ram_efficient and mesh_dim_size(mesh, "tp") > 1:
+    offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    tensor_parallel = mesh_dim_size(mesh, "tp") > 1
+    if ram_efficient and tensor_parallel and offload:
         raise NotImplementedError(
-            "fsdp_cpu_ram_efficient_loading with tensor parallelism is not supported yet for Qwen3.5 (every tp rank "
-            "slices its heads from the full weights); set fsdp_cpu_ram_efficient_loading: false"
+            "fsdp_cpu_ram_efficient_loading with tensor parallelism and fsdp_offload_params is not supported for "
+            "Qwen3.5; turn one of them off"
         )
     if ram_efficient:
         original_sd = model.state_dict()
@@ -338,9 +363,15 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
     )
 
     if ram_efficient:
-        fsdp2_load_full_state_dict(
-            accelerator, model, original_sd, cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy)
-        )
+        if tensor_parallel:
+            # Accelerate's loader copies full tensors into the per-head slices; ours
+            # broadcasts rank 0's weights and each rank keeps its slice of its shard.
+            from ..parallel.tensor_parallel import load_full_state_dict
+
+            model.to_empty(device=accelerator.device)
+            load_full_state_dict(model, original_sd if accelerator.is_main_process else None)
+        else:
+            fsdp2_load_full_state_dict(accelerator, model, original_sd, cpu_offload=offload)
         for fqn, buffer in non_persistent.items():
             parent, _, name = fqn.rpartition(".")
             (model.get_submodule(parent) if parent else model).register_buffer(name, buffer.to(accelerator.device), persistent=False)
@@ -443,18 +474,66 @@ def _clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _is_tensor_parallel_qwen35(model: Any) -> bool:
+    from ..parallel.tensor_parallel import tensor_parallel_group
+
+    return getattr(model, "_qwen35_accel_prepared", False) and tensor_parallel_group(model) is not None
+
+
+def _full_checkpoint_file(fsdp_plugin: Any, input_dir: str, model_index: int = 0) -> str | None:
+    """The `pytorch_model_fsdp[_i].bin` Accelerate writes for FULL_STATE_DICT, if that is
+    the plugin's type and `input_dir` holds it."""
+    from accelerate.utils.constants import FSDP_MODEL_NAME
+    from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
+
+    if fsdp_plugin is None or fsdp_plugin.state_dict_type != StateDictType.FULL_STATE_DICT:
+        return None
+    name = f"{FSDP_MODEL_NAME}.bin" if model_index == 0 else f"{FSDP_MODEL_NAME}_{model_index}.bin"
+    path = os.path.join(input_dir, name)
+    return path if os.path.isfile(path) else None
+
+
+def _load_full_checkpoint_tensor_parallel(accelerator: Any, model: nn.Module, path: str) -> None:
+    """Accelerate's FULL_STATE_DICT model loading for a tensor-parallel Qwen3.5 model.
+
+    torch's `set_model_state_dict(full_state_dict=True)` copies the full tensors into the
+    per-head slices (a shape error); here rank 0 reads the file, every tensor is broadcast
+    and the model's load hooks keep each rank's slice. With SHARDED_STATE_DICT, Accelerate's
+    own DCP loading already works: it goes through the model's and the optimizer's
+    Transformers-layout state dicts, which slice on load.
+    """
+    from ..parallel.tensor_parallel import load_full_state_dict
+
+    logger.info("Loading model from %s (tensor parallel)", path)
+    # As Accelerate's load_fsdp_model does; its optimizer loading reads the same options.
+    config = accelerator.state.fsdp_plugin.state_dict_config
+    config.offload_to_cpu = config.rank0_only = accelerator.num_processes > 1
+    state_dict = torch.load(path, weights_only=True, map_location="cpu") if accelerator.is_main_process else None
+    load_full_state_dict(model, state_dict)
+
+
+def _load_fsdp_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(fsdp_plugin: Any, accelerator: Any, model: nn.Module, input_dir: str, model_index: int = 0,
+                *args: Any, **kwargs: Any) -> Any:
+        if _is_tensor_parallel_qwen35(model):
+            path = _full_checkpoint_file(fsdp_plugin, input_dir, model_index)
+            if path is not None:
+                return _load_full_checkpoint_tensor_parallel(accelerator, model, path)
+        return original(fsdp_plugin, accelerator, model, input_dir, model_index, *args, **kwargs)
+
+    return wrapper
+
+
 def _trainer_load_from_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, resume_from_checkpoint: str, model: Any = None) -> Any:
-        from ..parallel.tensor_parallel import tensor_parallel_group
-
         target = model if model is not None else self.model
-        if getattr(target, "_qwen35_accel_prepared", False) and tensor_parallel_group(target) is not None:
-            raise NotImplementedError(
-                f"resuming a tensor-parallel Qwen3.5 run from {resume_from_checkpoint} is not supported yet "
-                "(Accelerate's FSDP checkpoint loader copies full tensors into the per-head slices). Start a new run "
-                "from the checkpoint's weights (--model_name_or_path) or resume with tp_size 1."
-            )
+        if _is_tensor_parallel_qwen35(target):
+            plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+            path = _full_checkpoint_file(plugin, resume_from_checkpoint)
+            if path is not None:
+                return _load_full_checkpoint_tensor_parallel(self.accelerator, target, path)
         return original(self, resume_from_checkpoint, model)
 
     return wrapper
@@ -492,6 +571,7 @@ _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "fsdp2_prepare_model": _fsdp2_prepare_model,
     "Accelerator.maybe_context_parallel": _maybe_context_parallel,
     "Accelerator.clip_grad_norm_": _clip_grad_norm,
+    "load_fsdp_model": _load_fsdp_model,
     "Trainer._load_from_checkpoint": _trainer_load_from_checkpoint,
     "Trainer.save_model": _trainer_save_model,
 }

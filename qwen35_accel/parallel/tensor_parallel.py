@@ -17,13 +17,20 @@ Each block's input is the identity forward / all-reduce backward, its output an
 all-reduce forward / identity backward; replicated weights used on local heads (the
 norms) get their gradients all-reduced. Embeddings, layer norms and lm_head stay
 replicated. Parameters are plain tensors holding the local slice, so FSDP2 over the
-`dp_shard_cp` mesh and context parallelism compose unchanged. `state_dict()` gathers
-the slices back into Transformers' layout (the fused `in_proj_qkv` rows in their
-original order); `load_state_dict` accepts full tensors and keeps this rank's slice.
+`dp_shard_cp` mesh and context parallelism compose unchanged.
+
+State dicts are in Transformers' layout: `state_dict()` gathers the slices (the fused
+`in_proj_qkv` rows in their original order; under FSDP2 a DTensor of the full layout,
+still sharded over dp), `load_state_dict` takes full tensors (plain or DTensor) and keeps
+this rank's slice. `register_optimizer_state_layout` does the same for the optimizer's
+state, so torch.distributed.checkpoint (Accelerate's and the Trainer's checkpoints) saves
+and resumes TP runs, independently of the tp size; `load_full_state_dict` loads rank 0's
+full state dict.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers.activations import ACT2FN
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
@@ -153,6 +160,10 @@ class _Sliced:
     def gather(self, parts: list[torch.Tensor]) -> torch.Tensor:
         return _unslice_blocks(self.sizes, parts) if self.kind == "rows" else torch.cat(parts, dim=1)
 
+    def full_shape(self, local_shape: torch.Size | tuple[int, ...], tp: int) -> tuple[int, ...]:
+        dim = 0 if self.kind == "rows" else 1
+        return tuple(n * tp if i == dim else n for i, n in enumerate(local_shape))
+
 
 def _rows(*sizes: int) -> _Sliced:
     return _Sliced("rows", list(sizes))
@@ -214,31 +225,61 @@ def _state_dict_key(path: str) -> str:
     return path.replace(f".{HOLDER_NAME}.", ".")
 
 
+def _to_transformers_layout(local: torch.Tensor, sliced: _Sliced, group: dist.ProcessGroup) -> torch.Tensor:
+    """The Transformers-layout tensor from this rank's slice `local` (collective over the
+    tp group). A DTensor (the slice sharded by FSDP2 over dp) comes back as a DTensor of
+    the full layout with the same mesh and placements, so a sharded checkpoint stays
+    sharded over dp; a plain tensor comes back plain."""
+    like = local if isinstance(local, DTensor) else None
+    if like is not None:
+        local = local.full_tensor()
+    local = local.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    full = sliced.gather(parts)
+    if like is not None:
+        full = distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    return full
+
+
+def _to_local_layout(
+    value: torch.Tensor, sliced: _Sliced, group: dist.ProcessGroup, param: torch.Tensor, what: str
+) -> torch.Tensor:
+    """This rank's slice of a Transformers-layout `value` (plain, or a DTensor of any
+    placements), laid out like `param` (a DTensor over dp gets the same mesh and placements)."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    expected = sliced.full_shape(param.shape, tp)
+    if tuple(value.shape) != expected:
+        raise ValueError(
+            f"{what}: expected the Transformers layout {list(expected)} (this rank holds {list(param.shape)} "
+            f"of it, tp {tp}), got {list(value.shape)}"
+        )
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    local = sliced.local(value, rank, tp).contiguous()
+    if isinstance(param, DTensor):
+        local = distribute_tensor(local.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return local
+
+
 def _gather_hook(layouts: dict[str, _Sliced], group: dist.ProcessGroup) -> Callable[..., None]:
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        tp = dist.get_world_size(group)
         for path, sliced in layouts.items():
             key = prefix + _state_dict_key(path)
-            if key not in state_dict:
-                continue
-            local = state_dict[key]
-            if isinstance(local, DTensor):  # FSDP2 shards the local slice over dp: gather that first
-                local = local.full_tensor()
-            local = local.detach().contiguous()
-            parts = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(parts, local, group=group)
-            state_dict[key] = sliced.gather(parts)
+            if key in state_dict:
+                state_dict[key] = _to_transformers_layout(state_dict[key], sliced, group)
 
     return hook
 
 
 def _slice_hook(layouts: dict[str, _Sliced], group: dist.ProcessGroup) -> Callable[..., None]:
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        tp, rank = dist.get_world_size(group), dist.get_rank(group)
         for path, sliced in layouts.items():
             key = prefix + _state_dict_key(path)
             if key in state_dict:
-                state_dict[key] = sliced.local(state_dict[key], rank, tp).contiguous()
+                owner, _, name = path.rpartition(".")
+                param = module.get_submodule(owner)._parameters[name]
+                state_dict[key] = _to_local_layout(state_dict[key], sliced, group, param, key)
 
     return hook
 
@@ -344,6 +385,134 @@ def tensor_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
         if group is not None:
             return group
     return None
+
+
+def _split_parameters(model: nn.Module) -> dict[int, tuple[_Sliced, dist.ProcessGroup]]:
+    """{id(parameter): (its split, tp group)} for the parameters as the model holds them now
+    (FSDP2 replaces the Parameter objects: look them up when needed, not once)."""
+    out: dict[int, tuple[_Sliced, dist.ProcessGroup]] = {}
+    for layer in model.modules():
+        layouts = getattr(layer, "_qwen35_tp_layouts", None)
+        if layouts:
+            group = getattr(layer, TP_GROUP_ATTR)
+            for path, sliced in layouts.items():
+                owner, _, name = path.rpartition(".")
+                out[id(layer.get_submodule(owner)._parameters[name])] = (sliced, group)
+    return out
+
+
+def _split_state_dict_keys(model: nn.Module) -> set[str]:
+    keys: set[str] = set()
+    for prefix, layer in model.named_modules():
+        for path in getattr(layer, "_qwen35_tp_layouts", {}):
+            keys.add(f"{prefix}.{_state_dict_key(path)}" if prefix else _state_dict_key(path))
+    return keys
+
+
+def _keyed_parameters(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> list[tuple[Any, nn.Parameter]]:
+    """(state key, parameter) pairs: torch matches a state dict's groups to the optimizer's by order."""
+    return [
+        (key, param)
+        for saved, group in zip(state_dict["param_groups"], optimizer.param_groups)
+        for key, param in zip(saved["params"], group["params"])
+    ]
+
+
+def register_optimizer_state_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Keep the optimizer state of tensor-parallel parameters in Transformers' layout, like
+    `model.state_dict()`: `optimizer.state_dict()` gathers each split parameter's state
+    tensors (AdamW's `exp_avg`, `exp_avg_sq`, …: those shaped like the parameter) from the
+    tp ranks; `optimizer.load_state_dict()` takes Transformers-layout state (plain or
+    DTensor) and keeps this rank's slice. Without it the tp ranks' slices share one key
+    and torch.distributed.checkpoint (so Accelerate's and the Trainer's FSDP checkpoints)
+    keeps one rank's. Both directions are collective over tp: call them on every rank.
+    Checkpoints become independent of the tp size. Idempotent; `optimizer` is the torch
+    optimizer (an Accelerate wrapper's `.optimizer`).
+    """
+    registered = getattr(optimizer, "_qwen35_tp_layout_of", None)
+    if registered is not None:
+        if registered() is not model:
+            raise ValueError("this optimizer's state layout is already registered for another model")
+        return
+
+    def convert(
+        opt: torch.optim.Optimizer, state_dict: dict[str, Any], fn: Callable[..., torch.Tensor], to_full: bool
+    ) -> dict[str, Any]:
+        """`state_dict` with each split parameter's per-element state tensors passed
+        through `fn`; new per-parameter dicts (state_dict() hands out the live ones)."""
+        split = _split_parameters(model)
+        state = dict(state_dict["state"])
+        for key, param in _keyed_parameters(opt, state_dict):
+            if id(param) not in split or key not in state:
+                continue
+            sliced, group = split[id(param)]
+            converted = {}
+            for name, value in state[key].items():
+                # 0-d tensors (AdamW's step) are per parameter. Loading, any other shape is
+                # converted, so a slice-shaped one (saved without this layout: whose slice?)
+                # fails the shape check instead of loading silently.
+                if torch.is_tensor(value) and value.dim() > 0 and (not to_full or value.shape == param.shape):
+                    value = fn(value, sliced, group, param, f"optimizer state {key}.{name}")
+                converted[name] = value
+            state[key] = converted
+        return {**state_dict, "state": state}
+
+    def to_transformers(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return convert(opt, state_dict, lambda v, sliced, group, *_: _to_transformers_layout(v, sliced, group), True)
+
+    def to_local(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return convert(opt, state_dict, _to_local_layout, False)
+
+    optimizer.register_state_dict_post_hook(to_transformers)
+    optimizer.register_load_state_dict_pre_hook(to_local)
+    optimizer._qwen35_tp_layout_of = weakref.ref(model)
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None, src: int = 0) -> None:
+    """Load a full Transformers-layout state dict held by global rank `src` (other ranks
+    pass None) into a model parallelized by `PARALLELIZER.apply` (tensor-parallel slices,
+    FSDP2 shards): tensor by tensor broadcast, each rank keeps its part.
+
+    For `pytorch_model_fsdp.bin` checkpoints and rank-0-only loading under tensor
+    parallelism, where torch's `set_model_state_dict(..., full_state_dict=True)` would copy
+    full tensors into the per-head slices. Keys must be exactly the model's
+    (`model.state_dict()`), shapes the Transformers ones; otherwise ValueError on every rank
+    naming them. Values are cast to the model's dtypes.
+    """
+    target = model.state_dict()
+    problem: list[str | None] = [None]
+    if dist.get_rank() == src:
+        if state_dict is None:
+            problem[0] = f"load_full_state_dict: rank {src} must pass the state dict"
+        else:
+            missing = sorted(set(target) - set(state_dict))
+            unexpected = sorted(set(state_dict) - set(target))
+            shapes = [
+                f"{k}: {list(state_dict[k].shape)} (model {list(target[k].shape)})"
+                for k in target
+                if k in state_dict and tuple(state_dict[k].shape) != tuple(target[k].shape)
+            ]
+            if missing or unexpected or shapes:
+                problem[0] = (
+                    f"the state dict does not fit {type(model).__name__}: missing {missing[:8]}, "
+                    f"unexpected {unexpected[:8]}, shapes {shapes[:8]}"
+                )
+    dist.broadcast_object_list(problem, src=src)
+    if problem[0] is not None:
+        raise ValueError(problem[0])
+    split_keys = _split_state_dict_keys(model)
+    values: dict[str, torch.Tensor] = {}
+    for key, like in target.items():
+        device = like.to_local().device if isinstance(like, DTensor) else like.device
+        if dist.get_rank() == src:
+            full = state_dict[key].detach().to(device=device, dtype=like.dtype).contiguous()
+        else:
+            full = torch.empty(like.shape, dtype=like.dtype, device=device)
+        dist.broadcast(full, src=src)
+        if isinstance(like, DTensor) and key not in split_keys:  # split ones: the load hook slices
+            full = distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+        values[key] = full
+    model.load_state_dict(values, strict=True)
 
 
 @torch.no_grad()

@@ -122,6 +122,16 @@ def _cp_comm(text_config: Any, cp: int, seq_len: int, compute_bytes: int) -> dic
     }
 
 
+def _unit_label(modules: list[str]) -> str:
+    """A unit's modules in at most 52 characters (if they do not fit: the first and a count)."""
+    if not modules:
+        return "(root)"
+    label = "+".join(modules)
+    if len(label) > 52 and len(modules) > 1:
+        label = f"{modules[0]} +{len(modules) - 1} more"
+    return label[-52:]
+
+
 def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
     """The plan as a dict (what `plan --json` prints)."""
     import torch
@@ -131,6 +141,7 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
     from transformers import AutoModelForCausalLM
 
+    from .integrations.settings import PluginSettings
     from .parallelization import PARALLELIZER
 
     started = time.perf_counter()
@@ -166,6 +177,7 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute is not None else None)
     total_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     total_params = sum(p.numel() for p in net.parameters())
+    settings = PluginSettings.from_env()
     error = None
     try:
         PARALLELIZER.apply(
@@ -174,6 +186,9 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
             mp_policy=policy,
             activation_checkpointing=bool(fsdp.get("fsdp_activation_checkpointing")),
             reshard_after_forward=fsdp.get("fsdp_reshard_after_forward", True),
+            # as the plugin would, from the same QWEN35_ACCEL_* variables
+            frozen_multimodal_sharding=settings.frozen_multimodal_sharding,  # type: ignore[arg-type]
+            fp32_holder_units=settings.fp32_holder_units,  # type: ignore[arg-type]
         )
     except NotImplementedError as exc:
         error = str(exc)
@@ -182,11 +197,16 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
     units = _units(net, shards, sizes["tp"]) if error is None else []
     layers: list[dict[str, Any]] = []
     other: list[dict[str, Any]] = []
-    for unit in units:
-        head = unit["modules"][0]
-        parts = head.split(".")
+    def layer_of(module: str) -> int | None:
+        parts = module.split(".")
         if "layers" in parts and parts.index("layers") + 1 < len(parts) and "visual" not in parts:
-            index = int(parts[parts.index("layers") + 1])
+            return int(parts[parts.index("layers") + 1])
+        return None
+
+    for unit in units:
+        owners = {layer_of(m) for m in unit["modules"]}
+        index = owners.pop() if len(owners) == 1 else None  # a unit over several layers is listed apart
+        if index is not None:
             while len(layers) <= index:
                 layers.append({"layer": len(layers), "type": text_config.layer_types[len(layers)], "units": []})
             layers[index]["units"].append(unit)
@@ -235,10 +255,10 @@ def _print_plan(p: dict[str, Any]) -> None:
     for layer in p["layers"]:
         print(f"layer {layer['layer']} ({layer['type']})")
         for u in layer["units"]:
-            print(row.format("+".join(u["modules"])[-52:], u["storage"], u["compute"], f"{u['params']:,}", _human(u["bytes_per_rank_max"])))
+            print(row.format(_unit_label(u["modules"]), u["storage"], u["compute"], f"{u['params']:,}", _human(u["bytes_per_rank_max"])))
     print("other units")
     for u in p["other_units"]:
-        print(row.format(("+".join(u["modules"]) or "(root)")[-52:], u["storage"], u["compute"], f"{u['params']:,}", _human(u["bytes_per_rank_max"])))
+        print(row.format(_unit_label(u["modules"]), u["storage"], u["compute"], f"{u['params']:,}", _human(u["bytes_per_rank_max"])))
     print(
         f"parameters per rank (max): {_human(p['bytes_per_rank_max'])}; distinct bytes over all ranks: "
         f"{_human(p['sharded_bytes_all_ranks'])} (model: {_human(p['model_bytes'])})"

@@ -18,7 +18,7 @@ from .model.detect import qwen35_parts
 from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
 from .parallel.activation_checkpointing import apply_activation_checkpointing
 from .parallel.context_parallel.model import check_context_parallel_supported, install_context_parallel
-from .parallel.fsdp import fully_shard_by_dtype, set_layer_prefetch
+from .parallel.fsdp import fp32_compute_policy, fully_shard_by_dtype, set_layer_prefetch
 from .parallel.tensor_parallel import apply_tensor_parallel
 from .parallel.tensor_parallel import check_divisible as check_tp_divisible
 
@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 FrozenMultimodalSharding = Literal["root", "replicate", "shard"]
 FROZEN_MULTIMODAL_SHARDING_CHOICES: tuple[str, ...] = ("root", "replicate", "shard")
+Fp32HolderUnits = Literal["per_layer", "model"]
+FP32_HOLDER_UNITS_CHOICES: tuple[str, ...] = ("per_layer", "model")
 
 
 def mesh_dim_names(mesh: DeviceMesh) -> list[str]:
@@ -50,6 +52,11 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}; expected one of {choices}")
 
 
 class Qwen3_5ModelParallelizer:
@@ -75,6 +82,7 @@ class Qwen3_5ModelParallelizer:
         dp_replicate_mesh_name: str = "dp_replicate",
         cp_mesh_name: str = "cp",
         tp_mesh_name: str = "tp",
+        fp32_holder_units: Fp32HolderUnits = "per_layer",
     ) -> nn.Module:
         """Parallelize `model` over `device_mesh` and return it (the same object).
 
@@ -94,10 +102,8 @@ class Qwen3_5ModelParallelizer:
         parts = qwen35_parts(model)  # TypeError for anything but dense Qwen3.5
         if isinstance(model, FSDPModule):
             raise ValueError(f"{type(model).__name__} is already sharded by FSDP2; apply the parallelizer once, to the unsharded model.")
-        if frozen_multimodal_sharding not in FROZEN_MULTIMODAL_SHARDING_CHOICES:
-            raise ValueError(
-                f"frozen_multimodal_sharding={frozen_multimodal_sharding!r}; expected one of {FROZEN_MULTIMODAL_SHARDING_CHOICES}"
-            )
+        _check_choice("frozen_multimodal_sharding", frozen_multimodal_sharding, FROZEN_MULTIMODAL_SHARDING_CHOICES)
+        _check_choice("fp32_holder_units", fp32_holder_units, FP32_HOLDER_UNITS_CHOICES)
         names = mesh_dim_names(device_mesh)
         if dp_shard_cp_mesh_name not in names:
             raise ValueError(
@@ -130,6 +136,7 @@ class Qwen3_5ModelParallelizer:
             fsdp2_forward_prefetch_depth=fsdp2_forward_prefetch_depth,
             reshard_after_forward=reshard_after_forward,
             frozen_multimodal_sharding=frozen_multimodal_sharding,
+            fp32_holder_units=fp32_holder_units,
         )
         if cp_size > 1:
             install_context_parallel(model, device_mesh[cp_mesh_name])
@@ -157,6 +164,8 @@ class Qwen3_5ModelParallelizer:
         reshard_after_forward: bool | int | None = None,
         frozen_multimodal_sharding: FrozenMultimodalSharding = "root",
         ignored_multimodal_params: set[nn.Parameter] | None = None,
+        *,
+        fp32_holder_units: Fp32HolderUnits = "per_layer",
     ) -> None:
         """Shard a dense Qwen3.5 model into dtype-uniform FSDP2 units, bottom-up.
 
@@ -168,7 +177,15 @@ class Qwen3_5ModelParallelizer:
         block); the input embedding; a tail of final norm + lm_head kept gathered after
         forward (tied embeddings: the embedding joins the tail, so exactly one unit owns
         the shared weight); the root. Then explicit prefetch in layer order.
+
+        `fp32_holder_units="model"` puts the holders of all decoder layers into one fp32
+        unit instead: gathered once per step (at the first GatedDeltaNet layer) and
+        reduced once, 2 collectives per step instead of 2 per GatedDeltaNet layer, for a
+        few KiB of memory (2 x value heads floats per layer, kept gathered from forward to
+        the end of backward). Worth it where a collective's latency is large against a
+        layer's compute (gloo, small models).
         """
+        _check_choice("fp32_holder_units", fp32_holder_units, FP32_HOLDER_UNITS_CHOICES)
         parts = qwen35_parts(module)
         policy = mp_policy or MixedPrecisionPolicy()
         common = dict(
@@ -178,6 +195,17 @@ class Qwen3_5ModelParallelizer:
             fp32_compute_module_names=self.fp32_compute_module_names,
         )
         ignored: set[nn.Parameter] = ignored_multimodal_params if ignored_multimodal_params is not None else set()
+
+        if fp32_holder_units == "model":
+            holders = [
+                sub
+                for layer in parts.decoder_layers
+                for name, sub in layer.named_modules()
+                if name.rsplit(".", 1)[-1] in self.fp32_compute_module_names and any(True for _ in sub.parameters())
+            ]
+            if holders:  # fully_shard_by_dtype below leaves these (already FSDP) alone
+                fully_shard(holders, mesh=mesh, mp_policy=fp32_compute_policy(policy), reshard_after_forward=False,
+                            offload_policy=offload_policy or OffloadPolicy())
 
         layer_units = [
             fully_shard_by_dtype(layer, reshard_after_forward=reshard_after_forward, **common)

@@ -24,7 +24,8 @@ def accelerate_style_mesh(world_size: int, dp_replicate: int = 1):
     return mesh
 
 
-def _parity_worker(rank: int, world: int, tie: bool, dp_replicate: int) -> None:
+def _parity_worker(rank: int, world: int, tie: bool, dp_replicate: int, holder_units: str = "per_layer",
+                   activation_checkpointing: bool = False) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
 
@@ -36,7 +37,8 @@ def _parity_worker(rank: int, world: int, tie: bool, dp_replicate: int) -> None:
     assert model.config.linear_num_key_heads < model.config.linear_num_value_heads
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
 
-    PARALLELIZER.apply(model, accelerate_style_mesh(world, dp_replicate))
+    PARALLELIZER.apply(model, accelerate_style_mesh(world, dp_replicate), fp32_holder_units=holder_units,
+                       activation_checkpointing=activation_checkpointing)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -73,6 +75,10 @@ def _parity_worker(rank: int, world: int, tie: bool, dp_replicate: int) -> None:
 )
 def test_loss_and_grads_match_single_process_through_adamw_steps(world: int, tie: bool, dp_replicate: int) -> None:
     run_world(_parity_worker, world, tie, dp_replicate)
+
+
+def test_one_fp32_unit_for_all_gate_holders_matches_single_process_also_with_checkpointing() -> None:
+    run_world(_parity_worker, 2, False, 1, "model", True)
 
 
 def _partly_frozen_worker(rank: int, world: int) -> None:

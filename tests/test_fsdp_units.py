@@ -12,6 +12,14 @@ from _dist import run_world
 pytestmark = pytest.mark.multiprocess
 
 
+def prefetch_of(model, i: int, kind: str) -> list[str]:
+    """Names of the units layer i's unit gathers ahead in `kind` ("forward"/"backward")."""
+    name_of = {m: n for n, m in model.named_modules()}
+    state = model.model.layers[i]._get_fsdp_state()
+    states = state._states_to_forward_prefetch if kind == "forward" else state._states_to_backward_prefetch
+    return [name_of[s._modules[0]] for s in states]
+
+
 def _units_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.parallel.fsdp import describe_units
@@ -36,12 +44,8 @@ def _units_worker(rank: int, world: int) -> None:
 
     # Explicit prefetch: layer i gathers layer i+1's units ahead in forward (depth 1) and
     # layers i-1, i-2 in backward (depth 2).
-    name_of = {m: n for n, m in model.named_modules()}
-
     def prefetch(i, kind):
-        state = model.model.layers[i]._get_fsdp_state()
-        states = state._states_to_forward_prefetch if kind == "forward" else state._states_to_backward_prefetch
-        return [name_of[s._modules[0]] for s in states]
+        return prefetch_of(model, i, kind)
 
     assert prefetch(0, "forward") == ["model.layers.1", "model.layers.1.linear_attn._fp32_params"]
     assert prefetch(3, "backward") == ["model.layers.2", "model.layers.1", "model.layers.1.linear_attn._fp32_params"]
@@ -68,6 +72,21 @@ def _units_worker(rank: int, world: int) -> None:
     model(**batch).loss.backward()
     assert seen == dict.fromkeys(gdn_layers, True), seen
     assert all(sharded_grad(i) is not None for i in gdn_layers)
+
+    # fp32_holder_units="model": one fp32 unit for every holder, out of the layer units
+    # and the prefetch lists; its gradients are reduced at the end of backward too.
+    shared = PARALLELIZER.apply(build_tiny_causal_lm(num_hidden_layers=6), mesh, mp_policy=policy, fp32_holder_units="model")
+    rows = {row["unit"]: row for row in describe_units(shared)}
+    holders = "+".join(f"model.layers.{i}.linear_attn._fp32_params" for i in gdn_layers)
+    assert set(rows) == {"model.embed_tokens", "model.norm+lm_head", holders} | {f"model.layers.{i}" for i in range(6)}
+    assert (rows[holders]["compute"], rows[holders]["params"]) == ("float32", 2 * 4 * len(gdn_layers))
+    assert rows["model.layers.0"]["params"] == units["model.layers.0"]["params"]
+    assert prefetch_of(shared, 0, "forward") == ["model.layers.1"]
+    group = shared.model.layers[0].linear_attn._fp32_params._get_fsdp_state()._fsdp_param_group
+    shared(**batch).loss.backward()
+    assert all(fp.sharded_param.grad is not None for fp in group.fsdp_params)
+    with pytest.raises(ValueError, match=r"fp32_holder_units='layer'; expected one of \('per_layer', 'model'\)"):
+        PARALLELIZER.apply(build_tiny_causal_lm(), mesh, fp32_holder_units="layer")
 
     off = PARALLELIZER.apply(build_tiny_causal_lm(num_hidden_layers=6), mesh, enable_fsdp2_prefetch=False)
     assert off.model.layers[0]._get_fsdp_state()._states_to_forward_prefetch == []

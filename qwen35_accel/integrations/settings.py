@@ -33,6 +33,11 @@ class PluginSettings:
         "runs N independent single-process trainings there)",
     )
     frozen_multimodal_sharding: str = _knob("root", "a frozen vision tower: root (in the root unit), replicate or shard")
+    fp32_holder_units: str = _knob(
+        "per_layer",
+        "per_layer: each GatedDeltaNet's fp32 gate holder is an FSDP2 unit of its own; model: one fp32 unit holds "
+        "all of them (2 collectives per step instead of 2 per GatedDeltaNet layer)",
+    )
     fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of decoder-layer units in layer order")
     fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
     fsdp2_backward_prefetch_depth: int = _knob(2, "layers prefetched ahead in backward")
@@ -61,7 +66,7 @@ class PluginSettings:
         return cls(**values)
 
 
-_CHOICES = {"frozen_multimodal_sharding": ("root", "replicate", "shard")}
+_CHOICES = {"frozen_multimodal_sharding": ("root", "replicate", "shard"), "fp32_holder_units": ("per_layer", "model")}
 
 
 def _parse(env_name: str, field: dataclasses.Field, raw: str) -> object:

@@ -189,6 +189,7 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
             # as the plugin would, from the same QWEN35_ACCEL_* variables
             frozen_multimodal_sharding=settings.frozen_multimodal_sharding,  # type: ignore[arg-type]
             fp32_holder_units=settings.fp32_holder_units,  # type: ignore[arg-type]
+            vocab_parallel_lm_head=settings.vocab_parallel_lm_head,
         )
     except NotImplementedError as exc:
         error = str(exc)

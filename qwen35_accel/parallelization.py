@@ -19,7 +19,7 @@ from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
 from .parallel.activation_checkpointing import apply_activation_checkpointing
 from .parallel.context_parallel.model import check_context_parallel_supported, install_context_parallel
 from .parallel.fsdp import fp32_compute_policy, fully_shard_by_dtype, set_layer_prefetch
-from .parallel.tensor_parallel import apply_tensor_parallel
+from .parallel.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel_lm_head, check_vocab_parallel
 from .parallel.tensor_parallel import check_divisible as check_tp_divisible
 
 __all__ = ["PARALLELIZER"]
@@ -83,6 +83,7 @@ class Qwen3_5ModelParallelizer:
         cp_mesh_name: str = "cp",
         tp_mesh_name: str = "tp",
         fp32_holder_units: Fp32HolderUnits = "per_layer",
+        vocab_parallel_lm_head: bool = False,
     ) -> nn.Module:
         """Parallelize `model` over `device_mesh` and return it (the same object).
 
@@ -92,6 +93,10 @@ class Qwen3_5ModelParallelizer:
         over `dp_shard_cp`, then CP (cp > 1: `install_context_parallel` on the `cp` dim;
         the model then expects each rank's part of the batch, see
         `qwen35_accel.context_parallel.shard_batch`).
+
+        `vocab_parallel_lm_head=True` (tp > 1): the lm_head is split by vocab too and the
+        loss combines the slices (`apply_vocab_parallel_lm_head`): `logits` then hold this
+        rank's vocab slice. Needs untied embeddings and tp dividing the vocab size.
 
         Preconditions: `torch.distributed` is initialised; `model` is a dense Qwen3.5
         model (TypeError otherwise) not yet sharded; `device_mesh` has a dim (own or
@@ -113,6 +118,8 @@ class Qwen3_5ModelParallelizer:
         tp_size = mesh_dim_size(device_mesh, tp_mesh_name)
         if tp_size > 1:
             check_tp_divisible(model.config.get_text_config(), tp_size)
+            if vocab_parallel_lm_head:
+                check_vocab_parallel(model, tp_size)
         cp_size = mesh_dim_size(device_mesh, cp_mesh_name)
         if cp_size > 1:
             check_context_parallel_supported(model)
@@ -124,6 +131,8 @@ class Qwen3_5ModelParallelizer:
         converted = install_fp32_gate(model)
         if tp_size > 1:
             apply_tensor_parallel(model, device_mesh[tp_mesh_name])
+            if vocab_parallel_lm_head:
+                apply_vocab_parallel_lm_head(model, device_mesh[tp_mesh_name])
         if activation_checkpointing:
             apply_activation_checkpointing(parts.decoder_layers)
         self.apply_fsdp_sharding(

@@ -264,6 +264,9 @@ def _save_load_state_tp_worker(rank: int, world: int, state_dict_type: str, tmp:
 
     from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
 
+    vocab_parallel = state_dict_type == "SHARDED_STATE_DICT"  # and the lm_head's slices in the checkpoint
+    if vocab_parallel:
+        os.environ["QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD"] = "1"
     accelerator = Accelerator(
         fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type),
         parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2),
@@ -272,6 +275,8 @@ def _save_load_state_tp_worker(rank: int, world: int, state_dict_type: str, tmp:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     replica = accelerator.torch_device_mesh["dp_shard"].get_local_rank()
+    local_vocab = model.lm_head.weight.shape[0]
+    assert local_vocab == (model.config.vocab_size // 2 if vocab_parallel else model.config.vocab_size)
 
     def step(i):
         batch = random_batch(4, 16, model.config.vocab_size, seed=30 + i)

@@ -24,7 +24,7 @@ def mesh_for(world: int, dp: int, cp: int, tp: int):
     return mesh
 
 
-def _tp_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None:
+def _tp_worker(rank: int, world: int, dp: int, cp: int, tp: int, vocab_parallel: bool = False) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import shard_batch
     from qwen35_accel.parallel.tensor_parallel import clip_grad_norm_, gather_tensor_parallel
@@ -38,7 +38,7 @@ def _tp_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None:
     assert config.num_key_value_heads < config.num_attention_heads
     assert config.linear_num_key_heads < config.linear_num_value_heads
     mesh = mesh_for(world, dp, cp, tp)
-    PARALLELIZER.apply(model, mesh)
+    PARALLELIZER.apply(model, mesh, vocab_parallel_lm_head=vocab_parallel)
 
     # Each rank's GatedDeltaNet recurrence runs on its value heads only: the decay gate
     # (one value per value head and token) and the projections are local.
@@ -59,8 +59,16 @@ def _tp_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None:
         local = {k: v[2 * replica : 2 * replica + 2] for k, v in batch.items()}
         if cp > 1:
             local = shard_batch(local, mesh["cp"])
-        loss = model(**local).loss
+        out = model(**local)
+        loss = out.loss
         loss.backward()
+        if vocab_parallel:  # logits: this rank's vocab slice; the loss never gathered them
+            assert out.logits.shape[-1] == config.vocab_size // tp
+            if cp == 1:
+                from qwen35_accel.parallel.tensor_parallel import gather_vocab_parallel_logits
+
+                want = reference(**local).logits.detach()
+                assert_close(gather_vocab_parallel_logits(model, out.logits.detach()), want, "gathered logits")
         ref_loss = reference(**batch).loss
         ref_loss.backward()
         reported = loss.detach().clone()
@@ -97,12 +105,13 @@ def _tp_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "world,dp,cp,tp",
-    [(2, 1, 1, 2), (4, 2, 1, 2), (4, 1, 2, 2), (8, 2, 2, 2)],
-    ids=["tp2", "dp2xtp2", "cp2xtp2", "dp2xcp2xtp2"],
+    "world,dp,cp,tp,vocab_parallel",
+    [(2, 1, 1, 2, False), (4, 2, 1, 2, False), (4, 1, 2, 2, False), (8, 2, 2, 2, False), (4, 2, 1, 2, True),
+     (4, 1, 2, 2, True)],
+    ids=["tp2", "dp2xtp2", "cp2xtp2", "dp2xcp2xtp2", "dp2xtp2-vocab-parallel", "cp2xtp2-vocab-parallel"],
 )
-def test_tp_matches_single_process_through_adamw_steps(world, dp, cp, tp):
-    run_world(_tp_worker, world, dp, cp, tp)
+def test_tp_matches_single_process_through_adamw_steps(world, dp, cp, tp, vocab_parallel):
+    run_world(_tp_worker, world, dp, cp, tp, vocab_parallel)
 
 
 def _checkpoint_worker(rank: int, world: int, tmp: str) -> None:
@@ -149,6 +158,11 @@ def _bad_tp_worker(rank: int, world: int) -> None:
     ):
         PARALLELIZER.apply(model, mesh_for(world, 1, 1, 2))
     assert "A_log" in model.model.layers[0].linear_attn._parameters  # refused before any change
+    with pytest.raises(ValueError, match=r"vocab-parallel lm_head needs untied embeddings"):
+        PARALLELIZER.apply(build_tiny_causal_lm(tie_word_embeddings=True), mesh_for(world, 1, 1, 2),
+                           vocab_parallel_lm_head=True)
+    with pytest.raises(ValueError, match=r"needs tp size 2 to divide the vocab size 95"):
+        PARALLELIZER.apply(build_tiny_causal_lm(vocab_size=95), mesh_for(world, 1, 1, 2), vocab_parallel_lm_head=True)
 
 
 def test_tp_refuses_head_counts_it_cannot_split():

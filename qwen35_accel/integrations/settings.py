@@ -38,6 +38,11 @@ class PluginSettings:
         "per_layer: each GatedDeltaNet's fp32 gate holder is an FSDP2 unit of its own; model: one fp32 unit holds "
         "all of them (2 collectives per step instead of 2 per GatedDeltaNet layer)",
     )
+    vocab_parallel_lm_head: bool = _knob(
+        False,
+        "under tp > 1, split the lm_head by vocab too; the loss combines the slices (model outputs then hold this "
+        "rank's vocab slice of the logits; needs untied embeddings)",
+    )
     fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of decoder-layer units in layer order")
     fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
     fsdp2_backward_prefetch_depth: int = _knob(2, "layers prefetched ahead in backward")

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -348,6 +349,122 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
         layer.register_load_state_dict_pre_hook(_slice_hook(layouts, group))
         setattr(layer, TP_GROUP_ATTR, group)
     return len(parts.decoder_layers)
+
+
+# ------------------------------------------------------------------ vocab-parallel lm_head
+
+VOCAB_GROUP_ATTR = "_qwen35_vocab_group"
+IGNORE_INDEX = -100
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """Per-token cross entropy [N] (0 where `target == ignore_index`) from this rank's
+    vocab slice of the logits, without gathering them.
+
+    `logits`: [N, V / tp], rank r holding vocab entries r·V/tp …; `target`: [N] global
+    token ids. The max, the sum of exponentials and the target's logit are combined over
+    the tp group (three [N] all-reduces); the gradient reaches each rank's slice only.
+    Collective over `group`: every rank passes the same `target`.
+    """
+    logits = logits.float()
+    local_vocab = logits.shape[-1]
+    start = dist.get_rank(group) * local_vocab
+    with torch.no_grad():  # a constant shift: softmax and its gradient do not depend on it
+        shift = logits.max(dim=-1).values
+        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - shift.unsqueeze(-1)
+    sum_exp = reduce_from_tp(shifted.exp().sum(dim=-1), group)
+    valid = target != ignore_index
+    local_target = target - start
+    mine = valid & (local_target >= 0) & (local_target < local_vocab)
+    # Advanced indexing keeps only the indices for backward (gather would keep `shifted`).
+    rows = torch.arange(shifted.shape[0], device=shifted.device)
+    picked = shifted[rows, local_target.clamp(0, local_vocab - 1)]
+    target_logit = reduce_from_tp(picked * mine, group)
+    return (sum_exp.log() - target_logit) * valid
+
+
+class VocabParallelCausalLMLoss:
+    """`model.loss_function` for a vocab-parallel lm_head: Transformers' causal-LM loss
+    (shift, `num_items_in_batch` → sum / count, else mean) on vocab-sliced logits."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor | None,
+        vocab_size: int,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if shift_labels is None:
+            labels = F.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = labels[..., 1:]
+        shift_labels = shift_labels.reshape(-1).to(logits.device)
+        losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels, self.group, ignore_index)
+        if num_items_in_batch is None:
+            return losses.sum() / (shift_labels != ignore_index).sum()
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(losses.device)
+        return losses.sum() / num_items_in_batch
+
+
+def check_vocab_parallel(model: nn.Module, tp: int) -> None:
+    """ValueError if the lm_head cannot be split by vocab over `tp` ranks (tied to the
+    input embedding, or a vocab size tp does not divide)."""
+    parts = qwen35_parts(model)
+    weight = parts.lm_head.weight
+    if weight is parts.embed_tokens.weight:
+        raise ValueError(
+            "a vocab-parallel lm_head needs untied embeddings (tie_word_embeddings=False): the input embedding "
+            "shares its weight and stays replicated"
+        )
+    if weight.shape[0] % tp:
+        raise ValueError(f"a vocab-parallel lm_head needs tp size {tp} to divide the vocab size {weight.shape[0]}")
+
+
+def apply_vocab_parallel_lm_head(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split the lm_head by vocab rows over `tp_mesh` and install `VocabParallelCausalLMLoss`.
+
+    Each rank computes logits for its V / tp vocab entries only ([…, V / tp], what the
+    model returns as `logits`: `gather_vocab_parallel_logits` assembles them) and the
+    loss combines the slices without gathering them: the lm_head's activations and the
+    loss's fp32 logits shrink by tp. The state dict keeps the full Transformers layout.
+    Preconditions: as `apply_tensor_parallel`; see `check_vocab_parallel`.
+    """
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    check_vocab_parallel(model, tp)
+    group = tp_mesh.get_group()
+    lm_head = qwen35_parts(model).lm_head
+    layouts = {name: _rows(p.shape[0]) for name, p in lm_head.named_parameters(recurse=False)}
+    for name, sliced in layouts.items():
+        param = lm_head._parameters[name]
+        lm_head._parameters[name] = nn.Parameter(sliced.local(param.detach(), rank, tp).clone(), requires_grad=param.requires_grad)
+    lm_head.register_forward_pre_hook(_input_hook(group), with_kwargs=True)
+    lm_head._qwen35_tp_layouts = layouts
+    lm_head.register_state_dict_post_hook(_gather_hook(layouts, group))
+    lm_head.register_load_state_dict_pre_hook(_slice_hook(layouts, group))
+    setattr(lm_head, TP_GROUP_ATTR, group)
+    setattr(model, VOCAB_GROUP_ATTR, group)
+    model.loss_function = VocabParallelCausalLMLoss(group)
+
+
+@torch.no_grad()
+def gather_vocab_parallel_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """The full-vocab logits from this rank's slice (collective over tp; no autograd).
+    Returns `logits` unchanged if the model's lm_head is not vocab-parallel."""
+    group = getattr(model, VOCAB_GROUP_ATTR, None)
+    if group is None:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
 
 
 def gather_tensor_parallel(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:

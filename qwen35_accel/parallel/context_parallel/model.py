@@ -21,6 +21,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from ...model.detect import qwen35_parts
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
+from ..tensor_parallel import VOCAB_GROUP_ATTR, vocab_parallel_cross_entropy
 from .attention import SUPPORTED_ATTENTION, ContextParallelAttention
 from .gated_delta_net import ContextParallelGatedDeltaNet
 
@@ -40,8 +41,9 @@ class ContextParallelCausalLMLoss:
       `dp_shard_cp` gives exactly the single-process gradient.
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, vocab_group: dist.ProcessGroup | None = None) -> None:
         self.group = group
+        self.vocab_group = vocab_group  # a vocab-parallel lm_head's tp group: logits hold a vocab slice
 
     def __call__(
         self,
@@ -60,9 +62,14 @@ class ContextParallelCausalLMLoss:
             )
         logits = logits.float()
         shift_labels = shift_labels.to(logits.device)
-        local_sum = F.cross_entropy(
-            logits.reshape(-1, vocab_size), shift_labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
-        )
+        if self.vocab_group is not None:
+            local_sum = vocab_parallel_cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), self.vocab_group, ignore_index
+            ).sum()
+        else:
+            local_sum = F.cross_entropy(
+                logits.reshape(-1, vocab_size), shift_labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
+            )
         if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(local_sum.device)
@@ -206,7 +213,7 @@ def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
                 continue
             module._cp_group = group
             converted += 1
-    model.loss_function = ContextParallelCausalLMLoss(group)
+    model.loss_function = ContextParallelCausalLMLoss(group, getattr(model, VOCAB_GROUP_ATTR, None))
     model.register_forward_pre_hook(_check_inputs, with_kwargs=True)
     setattr(model, CP_MESH_ATTR, cp_mesh)
     return converted

@@ -139,3 +139,26 @@ def _mixed_storage_worker(rank: int, world: int) -> None:
 
 def test_mixed_storage_subtrees_become_separate_units_and_unsplittable_mix_raises():
     run_world(_mixed_storage_worker, 2)
+
+
+def _accumulation_worker(rank: int, world: int, holder_units: str) -> None:
+    """Gradient accumulation (no reduction on the first micro-batch, as Accelerate's
+    `accumulate` does): the gate holders, reduced at the end of backward, still come out
+    with the gradient of both micro-batches."""
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+
+    reference = build_tiny_causal_lm(seed=0)
+    model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0), accelerate_style_mesh(world), fp32_holder_units=holder_units)
+    for micro in range(2):
+        batch = random_batch(BATCH_PER_RANK * world, SEQ, reference.config.vocab_size, seed=200 + micro)
+        local = {k: v[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK] for k, v in batch.items()}
+        model.set_requires_gradient_sync(micro == 1)
+        model(**local).loss.backward()
+        reference(**batch).loss.backward()
+    assert_grads_match(model, reference)
+
+
+@pytest.mark.parametrize("holder_units", ["per_layer", "model"])
+def test_gradient_accumulation_without_sync_matches_single_process(holder_units: str) -> None:
+    run_world(_accumulation_worker, 2, holder_units)

@@ -82,6 +82,8 @@ def _tp_worker(rank: int, world: int, dp: int, cp: int, tp: int, vocab_parallel:
             checked += 1
         assert checked == len(ref_params)
         if step == STEPS - 1:  # clipping sees the whole model's gradient on every rank
+            inf = clip_grad_norm_(model, 1e9, float("inf"))  # a bound nothing reaches: no scaling
+            assert_close(inf, torch.stack([p.grad.abs().max() for p in reference.parameters()]).max(), "max-norm")
             total = clip_grad_norm_(model, 0.05)
             ref_total = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
             assert ref_total > 0.05 and total > 0.05

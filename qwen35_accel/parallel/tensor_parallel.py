@@ -305,6 +305,22 @@ def _output_hook(group: dist.ProcessGroup) -> Callable[..., Any]:
     return hook
 
 
+def _split_module(module: nn.Module, layouts: dict[str, _Sliced], tp_mesh: DeviceMesh) -> None:
+    """Replace the parameters named in `layouts` (paths inside `module`) by this rank's
+    slices and give `module` the state-dict hooks of the Transformers layout."""
+    tp, rank, group = tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh.get_group()
+    for path, sliced in layouts.items():
+        owner_path, _, name = path.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        param = owner._parameters[name]
+        local = sliced.local(param.detach(), rank, tp).clone()
+        owner._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
+    module._qwen35_tp_layouts = layouts
+    module.register_state_dict_post_hook(_gather_hook(layouts, group))
+    module.register_load_state_dict_pre_hook(_slice_hook(layouts, group))
+    setattr(module, TP_GROUP_ATTR, group)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
     """Split a dense Qwen3.5 model's decoder layers by heads over `tp_mesh`, in place.
 
@@ -315,17 +331,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
     """
     parts = qwen35_parts(model)
     config = model.config.get_text_config()
-    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    tp = tp_mesh.size()
     group = tp_mesh.get_group()
     check_divisible(config, tp)
     for layer in parts.decoder_layers:
-        layouts = _layouts(layer, config)
-        for path, sliced in layouts.items():
-            owner_path, _, name = path.rpartition(".")
-            owner = layer.get_submodule(owner_path)
-            param = owner._parameters[name]
-            local = sliced.local(param.detach(), rank, tp).clone()
-            owner._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
+        _split_module(layer, _layouts(layer, config), tp_mesh)
         if layer.block_type == "linear_attention":
             gdn = layer.linear_attn
             gdn.num_v_heads //= tp
@@ -344,10 +354,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
         for block in (mixer, layer.mlp):
             block.register_forward_pre_hook(_input_hook(group), with_kwargs=True)
             block.register_forward_hook(_output_hook(group), with_kwargs=True)
-        layer._qwen35_tp_layouts = layouts
-        layer.register_state_dict_post_hook(_gather_hook(layouts, group))
-        layer.register_load_state_dict_pre_hook(_slice_hook(layouts, group))
-        setattr(layer, TP_GROUP_ATTR, group)
     return len(parts.decoder_layers)
 
 
@@ -438,19 +444,11 @@ def apply_vocab_parallel_lm_head(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     loss's fp32 logits shrink by tp. The state dict keeps the full Transformers layout.
     Preconditions: as `apply_tensor_parallel`; see `check_vocab_parallel`.
     """
-    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
-    check_vocab_parallel(model, tp)
+    check_vocab_parallel(model, tp_mesh.size())
     group = tp_mesh.get_group()
     lm_head = qwen35_parts(model).lm_head
-    layouts = {name: _rows(p.shape[0]) for name, p in lm_head.named_parameters(recurse=False)}
-    for name, sliced in layouts.items():
-        param = lm_head._parameters[name]
-        lm_head._parameters[name] = nn.Parameter(sliced.local(param.detach(), rank, tp).clone(), requires_grad=param.requires_grad)
+    _split_module(lm_head, {name: _rows(p.shape[0]) for name, p in lm_head.named_parameters(recurse=False)}, tp_mesh)
     lm_head.register_forward_pre_hook(_input_hook(group), with_kwargs=True)
-    lm_head._qwen35_tp_layouts = layouts
-    lm_head.register_state_dict_post_hook(_gather_hook(layouts, group))
-    lm_head.register_load_state_dict_pre_hook(_slice_hook(layouts, group))
-    setattr(lm_head, TP_GROUP_ATTR, group)
     setattr(model, VOCAB_GROUP_ATTR, group)
     model.loss_function = VocabParallelCausalLMLoss(group)
 
@@ -467,33 +465,35 @@ def gather_vocab_parallel_logits(model: nn.Module, logits: torch.Tensor) -> torc
     return torch.cat(parts, dim=-1)
 
 
+def _split_entries(model: nn.Module) -> list[tuple[str, nn.Parameter, _Sliced, dist.ProcessGroup]]:
+    """(state-dict key, parameter as the model holds it now, split, tp group) for every
+    parameter tensor parallelism split. Look them up when needed: FSDP2 replaces the
+    Parameter objects."""
+    entries = []
+    for prefix, module in model.named_modules():
+        layouts = getattr(module, "_qwen35_tp_layouts", None)
+        for path, sliced in (layouts or {}).items():
+            owner, _, name = path.rpartition(".")
+            key = f"{prefix}.{_state_dict_key(path)}" if prefix else _state_dict_key(path)
+            entries.append((key, module.get_submodule(owner)._parameters[name], sliced, getattr(module, TP_GROUP_ATTR)))
+    return entries
+
+
 def gather_tensor_parallel(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """The full (Transformers-layout) tensor of parameter `name` from this rank's `tensor`
     (the parameter, or its gradient; a DTensor over dp is gathered first). Collective over
     the tp group; tensors of parameters TP leaves whole are returned as they are."""
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
-    for prefix, layer in ((f"{n}.", m) for n, m in model.named_modules() if hasattr(m, "_qwen35_tp_layouts")):
-        if not name.startswith(prefix):
-            continue
-        rest = name[len(prefix):]
-        for path, sliced in layer._qwen35_tp_layouts.items():
-            if _state_dict_key(path) == rest:
-                group = getattr(layer, TP_GROUP_ATTR)
-                parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(parts, tensor.detach().contiguous(), group=group)
-                return sliced.gather(parts)
+    for key, _, sliced, group in _split_entries(model):
+        if key == name:
+            return _to_transformers_layout(tensor, sliced, group)
     return tensor
 
 
 def tensor_parallel_sliced(model: nn.Module) -> set[int]:
-    """ids of the parameters `apply_tensor_parallel` split (as the model holds them now)."""
-    sliced: set[int] = set()
-    for layer in model.modules():
-        for path in getattr(layer, "_qwen35_tp_layouts", {}):
-            owner, _, name = path.rpartition(".")
-            sliced.add(id(layer.get_submodule(owner)._parameters[name]))
-    return sliced
+    """ids of the parameters tensor parallelism split (as the model holds them now)."""
+    return {id(param) for _, param, _, _ in _split_entries(model)}
 
 
 def tensor_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
@@ -502,28 +502,6 @@ def tensor_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
         if group is not None:
             return group
     return None
-
-
-def _split_parameters(model: nn.Module) -> dict[int, tuple[_Sliced, dist.ProcessGroup]]:
-    """{id(parameter): (its split, tp group)} for the parameters as the model holds them now
-    (FSDP2 replaces the Parameter objects: look them up when needed, not once)."""
-    out: dict[int, tuple[_Sliced, dist.ProcessGroup]] = {}
-    for layer in model.modules():
-        layouts = getattr(layer, "_qwen35_tp_layouts", None)
-        if layouts:
-            group = getattr(layer, TP_GROUP_ATTR)
-            for path, sliced in layouts.items():
-                owner, _, name = path.rpartition(".")
-                out[id(layer.get_submodule(owner)._parameters[name])] = (sliced, group)
-    return out
-
-
-def _split_state_dict_keys(model: nn.Module) -> set[str]:
-    keys: set[str] = set()
-    for prefix, layer in model.named_modules():
-        for path in getattr(layer, "_qwen35_tp_layouts", {}):
-            keys.add(f"{prefix}.{_state_dict_key(path)}" if prefix else _state_dict_key(path))
-    return keys
 
 
 def _keyed_parameters(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> list[tuple[Any, nn.Parameter]]:
@@ -557,7 +535,7 @@ def register_optimizer_state_layout(model: nn.Module, optimizer: torch.optim.Opt
     ) -> dict[str, Any]:
         """`state_dict` with each split parameter's per-element state tensors passed
         through `fn`; new per-parameter dicts (state_dict() hands out the live ones)."""
-        split = _split_parameters(model)
+        split = {id(param): (sliced, group) for _, param, sliced, group in _split_entries(model)}
         state = dict(state_dict["state"])
         for key, param in _keyed_parameters(opt, state_dict):
             if id(param) not in split or key not in state:
@@ -617,7 +595,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
     dist.broadcast_object_list(problem, src=src)
     if problem[0] is not None:
         raise ValueError(problem[0])
-    split_keys = _split_state_dict_keys(model)
+    split_keys = {key for key, _, _, _ in _split_entries(model)}
     values: dict[str, torch.Tensor] = {}
     for key, like in target.items():
         device = like.to_local().device if isinstance(like, DTensor) else like.device
@@ -638,34 +616,45 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     whole model's gradient and scales every gradient by the same factor on every rank.
 
     Plain `clip_grad_norm_` on a TP model sees only this rank's slices of the split
-    parameters and so clips each tp rank by a different, too small norm. Here each
-    parameter's norm is taken over its FSDP shards (DTensor), the split ones are summed
-    over the tp group, the replicated ones counted once. `norm_type` 2 (or inf).
+    parameters and so clips each tp rank by a different, too small norm. Here the split
+    parameters' gradients are summed over their FSDP shards and the tp group, the
+    replicated ones over their FSDP shards only: a few collectives per call, not one per
+    parameter. `norm_type` any p > 0, or inf.
     """
     group = tensor_parallel_group(model)
     sliced_ids = tensor_parallel_sliced(model)
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
-
-    def norm(p: nn.Parameter) -> torch.Tensor:
-        value = torch.linalg.vector_norm(p.grad.float(), norm_type)
-        return value.full_tensor() if isinstance(value, DTensor) else value
-
-    norms = [(norm(p), id(p) in sliced_ids) for p in params]
-    device = norms[0][0].device
-    if norm_type == float("inf"):
-        split = torch.stack([n for n, s in norms if s] or [torch.zeros((), device=device)]).max()
-        whole = torch.stack([n for n, s in norms if not s] or [torch.zeros((), device=device)]).max()
-        if group is not None:
-            dist.all_reduce(split, op=dist.ReduceOp.MAX, group=group)
-        total = torch.maximum(split, whole)
-    else:
-        split = sum((n**norm_type for n, s in norms if s), torch.zeros((), device=device))
-        whole = sum((n**norm_type for n, s in norms if not s), torch.zeros((), device=device))
-        if group is not None:
-            dist.all_reduce(split, group=group)
-        total = (split + whole) ** (1.0 / norm_type)
+    inf = norm_type == float("inf")
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    # One [split, whole] accumulator per FSDP layout (mesh, placements): local pieces are
+    # combined locally, then reduced once over that layout's shard dims (not once per
+    # parameter; replicated dims of HSDP hold copies and are not summed).
+    layouts: dict[tuple, tuple[Any, torch.Tensor]] = {}
+    for p in params:
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        key = (id(p.grad.device_mesh), tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
+        like = p.grad if isinstance(p.grad, DTensor) else None
+        acc = layouts.setdefault(key, (like, torch.zeros(2, device=grad.device)))[1]
+        if grad.numel() == 0:  # an FSDP shard can be empty (fewer rows than ranks)
+            continue
+        value = torch.linalg.vector_norm(grad.float(), norm_type)
+        slot = 0 if id(p) in sliced_ids else 1
+        acc[slot] = torch.maximum(acc[slot], value) if inf else acc[slot] + value**norm_type
+    totals = []
+    for like, acc in layouts.values():
+        if like is not None:
+            for dim, placement in enumerate(like.placements):
+                if placement.is_shard():
+                    dist.all_reduce(acc, op=op, group=like.device_mesh.get_group(dim))
+        totals.append(acc)
+    stacked = torch.stack(totals)
+    split_whole = stacked.max(dim=0).values if inf else stacked.sum(dim=0)
+    split, whole = split_whole[0].clone(), split_whole[1]
+    if group is not None:  # the split parameters' pieces live on the tp ranks too
+        dist.all_reduce(split, op=op, group=group)
+    total = torch.maximum(split, whole) if inf else (split + whole) ** (1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         p.grad.mul_(coefficient.to(p.grad.device))

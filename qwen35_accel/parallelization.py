@@ -18,7 +18,7 @@ from .model.detect import qwen35_parts
 from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
 from .parallel.activation_checkpointing import apply_activation_checkpointing
 from .parallel.context_parallel.model import check_context_parallel_supported, install_context_parallel
-from .parallel.fsdp import fp32_compute_policy, fully_shard_by_dtype, set_layer_prefetch
+from .parallel.fsdp import fp32_compute_policy, fully_shard_by_dtype, set_async_unshard_on_cpu, set_layer_prefetch
 from .parallel.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel_lm_head, check_vocab_parallel
 from .parallel.tensor_parallel import check_divisible as check_tp_divisible
 
@@ -185,7 +185,9 @@ class Qwen3_5ModelParallelizer:
         `ignored_multimodal_params` and moved to the mesh's device; "shard": a unit per
         block); the input embedding; a tail of final norm + lm_head kept gathered after
         forward (tied embeddings: the embedding joins the tail, so exactly one unit owns
-        the shared weight); the root. Then explicit prefetch in layer order.
+        the shared weight); the root. Then explicit prefetch in layer order, the embedding
+        and the tail at the chain's ends (`set_layer_prefetch`), and on CPU meshes
+        asynchronous all-gathers (`set_async_unshard_on_cpu`).
 
         `fp32_holder_units="model"` puts the holders of all decoder layers into one fp32
         unit instead: gathered once per step (at the first GatedDeltaNet layer) and
@@ -205,6 +207,7 @@ class Qwen3_5ModelParallelizer:
         )
         ignored: set[nn.Parameter] = ignored_multimodal_params if ignored_multimodal_params is not None else set()
 
+        shared_holder_unit: FSDPModule | None = None
         if fp32_holder_units == "model":
             holders = [
                 sub
@@ -215,6 +218,7 @@ class Qwen3_5ModelParallelizer:
             if holders:  # fully_shard_by_dtype below leaves these (already FSDP) alone
                 fully_shard(holders, mesh=mesh, mp_policy=fp32_compute_policy(policy), reshard_after_forward=False,
                             offload_policy=offload_policy or OffloadPolicy())
+                shared_holder_unit = holders[0]
 
         layer_units = [
             fully_shard_by_dtype(layer, reshard_after_forward=reshard_after_forward, **common)
@@ -255,9 +259,25 @@ class Qwen3_5ModelParallelizer:
         fully_shard_by_dtype(module, reshard_after_forward=None, ignored_params=ignored, **common)
 
         if enable_fsdp2_prefetch:
+            if shared_holder_unit is not None and layer_units:
+                # Gathered with layer 0 (while the embedding runs), kept to the end of backward.
+                layer_units[0] = [*layer_units[0], shared_holder_unit]
             set_layer_prefetch(
-                layer_units, forward_depth=fsdp2_forward_prefetch_depth, backward_depth=fsdp2_backward_prefetch_depth
+                layer_units,
+                forward_depth=fsdp2_forward_prefetch_depth,
+                backward_depth=fsdp2_backward_prefetch_depth,
+                before=_unit_of(parts.embed_tokens),
+                after=_unit_of(parts.lm_head) or _unit_of(parts.final_norm),
             )
+        if set_async_unshard_on_cpu(module, mesh.device_type):
+            logger.debug("CPU mesh: FSDP2 all-gathers are asynchronous (prefetches overlap compute)")
+
+
+def _unit_of(module: nn.Module | None) -> FSDPModule | None:
+    """`module` if it is (part of) an FSDP2 unit with parameters of its own, else None."""
+    if not isinstance(module, FSDPModule):
+        return None
+    return module if module._get_fsdp_state()._fsdp_param_group is not None else None
 
 
 PARALLELIZER = Qwen3_5ModelParallelizer()

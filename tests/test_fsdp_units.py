@@ -49,7 +49,31 @@ def _units_worker(rank: int, world: int) -> None:
 
     assert prefetch(0, "forward") == ["model.layers.1", "model.layers.1.linear_attn._fp32_params"]
     assert prefetch(3, "backward") == ["model.layers.2", "model.layers.1", "model.layers.1.linear_attn._fp32_params"]
-    assert prefetch(5, "forward") == []
+    # The chain's ends: the embedding gathers layer 0 ahead, the last layer the tail; in
+    # backward the tail gathers the last two layers, layer 0 the embedding.
+    assert prefetch(5, "forward") == ["model.norm"]
+    assert prefetch(0, "backward") == ["model.embed_tokens"]
+    name_of = {m: n for n, m in model.named_modules()}
+    embed_state = model.model.embed_tokens._get_fsdp_state()
+    assert [name_of[s._modules[0]] for s in embed_state._states_to_forward_prefetch] == ["model.layers.0", "model.layers.0.linear_attn._fp32_params"]
+    tail_state = model.lm_head._get_fsdp_state()
+    assert [name_of[s._modules[0]] for s in tail_state._states_to_backward_prefetch] == ["model.layers.5", "model.layers.4", "model.layers.4.linear_attn._fp32_params"]
+
+    # On CPU the all-gathers are asynchronous: entering layer 0 (after FSDP2's own
+    # pre-forward: its hook is prepended) layer 1's prefetched all-gather is still an
+    # outstanding work handle, not a finished blocking call.
+    groups = [s._fsdp_param_group for s in (m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)) if s._fsdp_param_group]
+    assert groups and all(g.unshard_async_op for g in groups)
+    pending = {}
+
+    def check_prefetch(module, args):
+        result = model.model.layers[1]._get_fsdp_state()._fsdp_param_group._all_gather_result
+        pending["layer 1"] = result is not None and result.all_gather_work is not None
+
+    handle = model.model.layers[0].register_forward_pre_hook(check_prefetch)
+    model(**random_batch(2, 16, model.config.vocab_size, seed=rank))
+    handle.remove()
+    assert pending == {"layer 1": True}, pending
 
     # The holders' gradients are reduced at the end of backward, not mid-way through their
     # layer's (GateInput): when the backward reaches a layer's input norm (its GatedDeltaNet
@@ -82,6 +106,8 @@ def _units_worker(rank: int, world: int) -> None:
     assert (rows[holders]["compute"], rows[holders]["params"]) == ("float32", 2 * 4 * len(gdn_layers))
     assert rows["model.layers.0"]["params"] == units["model.layers.0"]["params"]
     assert prefetch_of(shared, 0, "forward") == ["model.layers.1"]
+    shared_embed = shared.model.embed_tokens._get_fsdp_state()._states_to_forward_prefetch
+    assert [s._modules[0] for s in shared_embed] == [shared.model.layers[0], shared.model.layers[0].linear_attn._fp32_params]
     group = shared.model.layers[0].linear_attn._fp32_params._get_fsdp_state()._fsdp_param_group
     shared(**batch).loss.backward()
     assert all(fp.sharded_param.grad is not None for fp in group.fsdp_params)
@@ -97,6 +123,9 @@ def _units_worker(rank: int, world: int) -> None:
     assert "model.embed_tokens+model.norm+lm_head" in names and "model.embed_tokens" not in names
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     assert isinstance(tied.lm_head, FSDPModule)
+    tied_tail = tied.lm_head._get_fsdp_state()
+    assert [s._modules[0] for s in tied_tail._states_to_forward_prefetch][:1] == [tied.model.layers[0]]
+    assert [s._modules[0] for s in tied_tail._states_to_backward_prefetch][:1] == [tied.model.layers[-1]]
 
 
 def test_units_are_dtype_uniform_and_prefetch_follows_layer_order():

@@ -43,7 +43,7 @@ class PluginSettings:
         "under tp > 1, split the lm_head by vocab too; the loss combines the slices (model outputs then hold this "
         "rank's vocab slice of the logits; needs untied embeddings)",
     )
-    fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of decoder-layer units in layer order")
+    fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of the units in layer order, embedding to tail")
     fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
     fsdp2_backward_prefetch_depth: int = _knob(2, "layers prefetched ahead in backward")
     ignore_versions: bool = _knob(

@@ -161,24 +161,57 @@ def _split_minority(
     return units
 
 
-def set_layer_prefetch(layer_units: Sequence[Sequence[FSDPModule]], *, forward_depth: int, backward_depth: int) -> None:
+def set_layer_prefetch(
+    layer_units: Sequence[Sequence[FSDPModule]],
+    *,
+    forward_depth: int,
+    backward_depth: int,
+    before: FSDPModule | None = None,
+    after: FSDPModule | None = None,
+) -> None:
     """Explicit FSDP2 prefetch in decoder-layer order.
 
     `layer_units[i]` are the units of layer i, outer unit first. Entering layer i's
     forward gathers all units of layers i+1 … i+forward_depth; entering its backward
-    gathers those of layers i-1 … i-backward_depth.
+    gathers those of layers i-1 … i-backward_depth. `before` (the embedding's unit) runs
+    before layer 0 in forward and `after` (the tail's) after the last layer: they join
+    the chain at its ends, so layer 0 is gathered while the embedding runs, the tail
+    while the last layer runs, and in backward the other way round. They may be the same
+    unit (tied embeddings: the tail holds the embedding).
     """
-    n = len(layer_units)
-    for i, units in enumerate(layer_units):
+    chain = [list(units) for units in layer_units]
+    if before is not None:
+        chain.insert(0, [before])
+    if after is not None:
+        chain.append([after])
+    n = len(chain)
+    for i, units in enumerate(chain):
         outer = units[0]
         if forward_depth > 0:
-            ahead = [u for j in range(i + 1, min(n, i + 1 + forward_depth)) for u in layer_units[j]]
+            ahead = [u for j in range(i + 1, min(n, i + 1 + forward_depth)) for u in chain[j] if u is not outer]
             if ahead:
                 outer.set_modules_to_forward_prefetch(ahead)
         if backward_depth > 0:
-            behind = [u for j in range(i - 1, max(-1, i - 1 - backward_depth), -1) for u in layer_units[j]]
+            behind = [u for j in range(i - 1, max(-1, i - 1 - backward_depth), -1) for u in chain[j] if u is not outer]
             if behind:
                 outer.set_modules_to_backward_prefetch(behind)
+
+
+def set_async_unshard_on_cpu(root: nn.Module, device_type: str) -> bool:
+    """On CPU, make every unit's all-gathers asynchronous; returns whether it did.
+
+    FSDP2 hides all-gathers behind compute by issuing them on separate accelerator
+    streams. A CPU has no streams: with FSDP2's default (`async_op=False`) each
+    all-gather, prefetches included, blocks this rank until every rank has joined it.
+    With `async_op=True` a prefetch runs in the gloo worker threads while this thread
+    computes, and the unit waits for it when its forward or backward needs the
+    parameters. Accelerators keep FSDP2's stream-based default.
+    """
+    setter = getattr(root, "_set_unshard_async_op", None)  # FSDPModule; private in torch 2.13
+    if device_type != "cpu" or setter is None:
+        return False
+    setter(True)
+    return True
 
 
 def fsdp_unit_groups(model: nn.Module) -> list[tuple[list[str], object]]:

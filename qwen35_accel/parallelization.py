@@ -190,7 +190,7 @@ class Qwen3_5ModelParallelizer:
         asynchronous all-gathers (`set_async_unshard_on_cpu`).
 
         `fp32_holder_units="model"` puts the holders of all decoder layers into one fp32
-        unit instead: gathered once per step (at the first GatedDeltaNet layer) and
+        unit instead: gathered once per step (with layer 0, while the embedding runs) and
         reduced once, 2 collectives per step instead of 2 per GatedDeltaNet layer, for a
         few KiB of memory (2 x value heads floats per layer, kept gathered from forward to
         the end of backward). Worth it where a collective's latency is large against a

@@ -191,7 +191,7 @@ def _resume_worker(rank: int, world: int, tmp: str) -> None:
     )
 
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.parallel.tensor_parallel import load_full_state_dict, register_optimizer_state_layout
+    from qwen35_accel.parallel.tensor_parallel import _state_dict_shapes_only, load_full_state_dict, register_optimizer_state_layout
     from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
 
     def build(dp: int, tp: int, seed: int):
@@ -264,11 +264,26 @@ def _resume_worker(rank: int, world: int, tmp: str) -> None:
     resumed, resumed_opt, replica4 = load_sharded(4, 1, seed=7)
     check_resumed(resumed, resumed_opt, replica4, 1, "tp 2 -> tp 1", rtol=1e-5)
 
-    # Wrong shapes are named, on every rank.
+    # Wrong shapes are named, on every rank; split tensors are checked against their
+    # Transformers shape, which load_full_state_dict learns without gathering them.
     with pytest.raises(ValueError, match=r"shapes \['model.embed_tokens.weight: \[95, 32\]"):
         broken = dict(full_model) if rank == 0 else None
         if rank == 0:
             broken["model.embed_tokens.weight"] = broken["model.embed_tokens.weight"][:95]
+        load_full_state_dict(resumed, broken)
+    qkv = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    resumed, _, _ = build(2, 2, seed=8)
+    with _state_dict_shapes_only():
+        described = resumed.state_dict()
+    gathered = resumed.state_dict()
+    assert list(described) == list(gathered)
+    assert {k: tuple(v.shape) for k, v in described.items()} == {k: tuple(v.shape) for k, v in gathered.items()}
+    assert described[qkv].is_meta and not gathered[qkv].is_meta
+    rows = gathered[qkv].shape[0]
+    with pytest.raises(ValueError, match=rf"shapes \['{qkv}: \[{rows // 2}, 32\] \(model \[{rows}, 32\]\)"):
+        broken = dict(full_model) if rank == 0 else None
+        if rank == 0:
+            broken[qkv] = broken[qkv][: rows // 2]
         load_full_state_dict(resumed, broken)
 
 

@@ -30,8 +30,10 @@ full state dict.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -263,12 +265,34 @@ def _to_local_layout(
     return local
 
 
+# Set by `_state_dict_shapes_only`: the gather hook then describes the Transformers layout
+# (meta tensors) instead of gathering it.
+_SHAPES_ONLY: ContextVar[bool] = ContextVar("qwen35_accel_tp_state_dict_shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def _state_dict_shapes_only() -> Iterator[None]:
+    """Within: `state_dict()` gives each split tensor as a meta tensor of its Transformers
+    shape and dtype (no communication, no memory); other entries are unchanged."""
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
+
+
 def _gather_hook(layouts: dict[str, _Sliced], group: dist.ProcessGroup) -> Callable[..., None]:
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        shapes_only, tp = _SHAPES_ONLY.get(), dist.get_world_size(group)
         for path, sliced in layouts.items():
             key = prefix + _state_dict_key(path)
-            if key in state_dict:
-                state_dict[key] = _to_transformers_layout(state_dict[key], sliced, group)
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if shapes_only:  # a DTensor's shape is already its global shape over dp
+                state_dict[key] = torch.empty(sliced.full_shape(value.shape, tp), dtype=value.dtype, device="meta")
+            else:
+                state_dict[key] = _to_transformers_layout(value, sliced, group)
 
     return hook
 
@@ -574,7 +598,11 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
     (`model.state_dict()`), shapes the Transformers ones; otherwise ValueError on every rank
     naming them. Values are cast to the model's dtypes.
     """
-    target = model.state_dict()
+    with _state_dict_shapes_only():  # shapes of the split tensors without gathering them
+        target = model.state_dict()
+    split_devices = {
+        key: (param.to_local() if isinstance(param, DTensor) else param).device for key, param, _, _ in _split_entries(model)
+    }
     problem: list[str | None] = [None]
     if dist.get_rank() == src:
         if state_dict is None:
@@ -595,16 +623,18 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
     dist.broadcast_object_list(problem, src=src)
     if problem[0] is not None:
         raise ValueError(problem[0])
-    split_keys = {key for key, _, _, _ in _split_entries(model)}
     values: dict[str, torch.Tensor] = {}
     for key, like in target.items():
-        device = like.to_local().device if isinstance(like, DTensor) else like.device
+        if key in split_devices:
+            device = split_devices[key]
+        else:
+            device = like.to_local().device if isinstance(like, DTensor) else like.device
         if dist.get_rank() == src:
             full = state_dict[key].detach().to(device=device, dtype=like.dtype).contiguous()
         else:
             full = torch.empty(like.shape, dtype=like.dtype, device=device)
         dist.broadcast(full, src=src)
-        if isinstance(like, DTensor) and key not in split_keys:  # split ones: the load hook slices
+        if isinstance(like, DTensor) and key not in split_devices:  # split ones: the load hook slices
             full = distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
         values[key] = full
     model.load_state_dict(values, strict=True)

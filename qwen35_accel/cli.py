@@ -101,6 +101,26 @@ def _units(model: Any, shards: int, tp: int = 1) -> list[dict[str, Any]]:
     return rows
 
 
+def _prefetch(model: Any) -> dict[str, dict[str, list[str]]]:
+    """{"forward"/"backward": {unit: units it gathers ahead}} as set on the model's FSDP2
+    units (units named by their modules joined with "+")."""
+    from .parallel.fsdp import fsdp_unit_groups
+
+    label = {id(group): "+".join(names) for names, group in fsdp_unit_groups(model)}
+    out: dict[str, dict[str, list[str]]] = {"forward": {}, "backward": {}}
+    seen: set[int] = set()
+    for names, group in fsdp_unit_groups(model):
+        state = model.get_submodule(names[0])._get_fsdp_state()
+        if id(state) in seen:
+            continue
+        seen.add(id(state))
+        for kind, states in (("forward", state._states_to_forward_prefetch), ("backward", state._states_to_backward_prefetch)):
+            targets = [label[id(s._fsdp_param_group)] for s in states if id(s._fsdp_param_group) in label]
+            if targets:
+                out[kind][label[id(group)]] = targets
+    return out
+
+
 def _cp_comm(text_config: Any, cp: int, seq_len: int, compute_bytes: int) -> dict[str, Any]:
     """Bytes each rank sends per layer and step (forward; backward sends the same again)."""
     if cp <= 1:
@@ -190,6 +210,9 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
             frozen_multimodal_sharding=settings.frozen_multimodal_sharding,  # type: ignore[arg-type]
             fp32_holder_units=settings.fp32_holder_units,  # type: ignore[arg-type]
             vocab_parallel_lm_head=settings.vocab_parallel_lm_head,
+            enable_fsdp2_prefetch=settings.fsdp2_prefetch,
+            fsdp2_forward_prefetch_depth=settings.fsdp2_forward_prefetch_depth,
+            fsdp2_backward_prefetch_depth=settings.fsdp2_backward_prefetch_depth,
         )
     except NotImplementedError as exc:
         error = str(exc)
@@ -228,6 +251,7 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
         "bytes_per_rank_max": sum(u["bytes_per_rank_max"] for u in units),
         "layers": layers,
         "other_units": other,
+        "prefetch": _prefetch(net) if error is None else {},
         "context_parallel": _cp_comm(text_config, sizes["cp"], seq_len, compute_bytes),
         "tensor_parallel": {"tp": sizes["tp"], "status": error or ("none" if sizes["tp"] == 1 else "applied")},
         "seconds": round(time.perf_counter() - started, 2),
@@ -264,6 +288,18 @@ def _print_plan(p: dict[str, Any]) -> None:
         f"parameters per rank (max): {_human(p['bytes_per_rank_max'])}; distinct bytes over all ranks: "
         f"{_human(p['sharded_bytes_all_ranks'])} (model: {_human(p['model_bytes'])})"
     )
+    forward, backward = p["prefetch"].get("forward", {}), p["prefetch"].get("backward", {})
+    if forward or backward:
+        first = next(iter(forward.items()), None)
+        last_backward = next(iter(reversed(backward.items())), None)
+        print(
+            f"prefetch: {len(forward)} units gather ahead in forward, {len(backward)} in backward"
+            + (f"; first: {first[0]} -> {', '.join(first[1])}" if first else "")
+            + (f"; backward starts: {last_backward[0]} -> {', '.join(last_backward[1])}" if last_backward else "")
+        )
+        print("  (all-gathers overlap compute on accelerator streams; on CPU meshes they are asynchronous gloo work)")
+    else:
+        print("prefetch: none (QWEN35_ACCEL_FSDP2_PREFETCH=0): each unit gathers its parameters when it runs")
     cp = p["context_parallel"]
     if cp:
         print(f"context parallelism (seq_len {cp['seq_len']}):")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
 
 
-def cli(*args: str) -> dict:
+def cli(*args: str, env: dict[str, str] | None = None) -> dict:
     result = subprocess.run(
-        [sys.executable, "-m", "qwen35_accel.cli", *args, "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT
+        [sys.executable, "-m", "qwen35_accel.cli", *args, "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env=None if env is None else {**os.environ, **env},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
@@ -29,6 +31,13 @@ def test_plan_tiny_shows_mesh_dtype_uniform_units_and_cp_layout():
             holder = next(u for u in layer["units"] if u["modules"][0].endswith("linear_attn._fp32_params"))
             assert holder["storage"] == holder["compute"] == "float32" and holder["params"] == 8
     assert p["sharded_bytes_all_ranks"] == p["model_bytes"]
+    # The prefetch chain as set on the units: embedding -> layer 0 ... last layer -> tail.
+    last = len(p["layers"]) - 1
+    assert p["prefetch"]["forward"]["model.embed_tokens"][0] == "model.layers.0"
+    assert p["prefetch"]["forward"][f"model.layers.{last}"] == ["model.norm+lm_head"]
+    assert p["prefetch"]["backward"]["model.norm+lm_head"][0] == f"model.layers.{last}"
+    off = cli("plan", "--model", "tiny", "--config", str(CONFIGS / "cpu_fsdp2.yaml"), env={"QWEN35_ACCEL_FSDP2_PREFETCH": "0"})
+    assert off["prefetch"] == {"forward": {}, "backward": {}}
     cp = p["context_parallel"]
     assert cp["layout"][0].startswith("rank 0: chunks 0 and 3 of 4")
     # GatedDeltaNet traffic does not depend on the sequence; attention's does.

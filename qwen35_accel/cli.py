@@ -106,14 +106,11 @@ def _prefetch(model: Any) -> dict[str, dict[str, list[str]]]:
     units (units named by their modules joined with "+")."""
     from .parallel.fsdp import fsdp_unit_groups
 
-    label = {id(group): "+".join(names) for names, group in fsdp_unit_groups(model)}
+    groups = fsdp_unit_groups(model)
+    label = {id(group): "+".join(names) for names, group in groups}
     out: dict[str, dict[str, list[str]]] = {"forward": {}, "backward": {}}
-    seen: set[int] = set()
-    for names, group in fsdp_unit_groups(model):
+    for names, group in groups:  # one entry per unit
         state = model.get_submodule(names[0])._get_fsdp_state()
-        if id(state) in seen:
-            continue
-        seen.add(id(state))
         for kind, states in (("forward", state._states_to_forward_prefetch), ("backward", state._states_to_backward_prefetch)):
             targets = [label[id(s._fsdp_param_group)] for s in states if id(s._fsdp_param_group) in label]
             if targets:

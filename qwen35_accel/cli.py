@@ -101,23 +101,6 @@ def _units(model: Any, shards: int, tp: int = 1) -> list[dict[str, Any]]:
     return rows
 
 
-def _prefetch(model: Any) -> dict[str, dict[str, list[str]]]:
-    """{"forward"/"backward": {unit: units it gathers ahead}} as set on the model's FSDP2
-    units (units named by their modules joined with "+")."""
-    from .parallel.fsdp import fsdp_unit_groups
-
-    groups = fsdp_unit_groups(model)
-    label = {id(group): "+".join(names) for names, group in groups}
-    out: dict[str, dict[str, list[str]]] = {"forward": {}, "backward": {}}
-    for names, group in groups:  # one entry per unit
-        state = model.get_submodule(names[0])._get_fsdp_state()
-        for kind, states in (("forward", state._states_to_forward_prefetch), ("backward", state._states_to_backward_prefetch)):
-            targets = [label[id(s._fsdp_param_group)] for s in states if id(s._fsdp_param_group) in label]
-            if targets:
-                out[kind][label[id(group)]] = targets
-    return out
-
-
 def _cp_comm(text_config: Any, cp: int, seq_len: int, compute_bytes: int) -> dict[str, Any]:
     """Bytes each rank sends per layer and step (forward; backward sends the same again)."""
     if cp <= 1:
@@ -159,6 +142,7 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from .integrations.settings import PluginSettings
+    from .parallel.fsdp import describe_prefetch
     from .parallelization import PARALLELIZER
 
     started = time.perf_counter()
@@ -248,7 +232,7 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
         "bytes_per_rank_max": sum(u["bytes_per_rank_max"] for u in units),
         "layers": layers,
         "other_units": other,
-        "prefetch": _prefetch(net) if error is None else {},
+        "prefetch": describe_prefetch(net) if error is None else {},
         "context_parallel": _cp_comm(text_config, sizes["cp"], seq_len, compute_bytes),
         "tensor_parallel": {"tp": sizes["tp"], "status": error or ("none" if sizes["tp"] == 1 else "applied")},
         "seconds": round(time.perf_counter() - started, 2),

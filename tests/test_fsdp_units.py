@@ -12,17 +12,18 @@ from _dist import run_world
 pytestmark = pytest.mark.multiprocess
 
 
-def prefetch_of(model, i: int, kind: str) -> list[str]:
-    """Names of the units layer i's unit gathers ahead in `kind` ("forward"/"backward")."""
+def prefetch_of(model, unit, kind: str) -> list[str]:
+    """Names (first module) of the units that `unit` (layer index, or a module of a unit)
+    gathers ahead in `kind` ("forward"/"backward")."""
     name_of = {m: n for n, m in model.named_modules()}
-    state = model.model.layers[i]._get_fsdp_state()
+    state = (model.model.layers[unit] if isinstance(unit, int) else unit)._get_fsdp_state()
     states = state._states_to_forward_prefetch if kind == "forward" else state._states_to_backward_prefetch
     return [name_of[s._modules[0]] for s in states]
 
 
 def _units_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.parallel.fsdp import describe_units
+    from qwen35_accel.parallel.fsdp import describe_units, fsdp_unit_groups
     from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
@@ -53,16 +54,13 @@ def _units_worker(rank: int, world: int) -> None:
     # backward the tail gathers the last two layers, layer 0 the embedding.
     assert prefetch(5, "forward") == ["model.norm"]
     assert prefetch(0, "backward") == ["model.embed_tokens"]
-    name_of = {m: n for n, m in model.named_modules()}
-    embed_state = model.model.embed_tokens._get_fsdp_state()
-    assert [name_of[s._modules[0]] for s in embed_state._states_to_forward_prefetch] == ["model.layers.0", "model.layers.0.linear_attn._fp32_params"]
-    tail_state = model.lm_head._get_fsdp_state()
-    assert [name_of[s._modules[0]] for s in tail_state._states_to_backward_prefetch] == ["model.layers.5", "model.layers.4", "model.layers.4.linear_attn._fp32_params"]
+    assert prefetch_of(model, model.model.embed_tokens, "forward") == ["model.layers.0", "model.layers.0.linear_attn._fp32_params"]
+    assert prefetch_of(model, model.lm_head, "backward") == ["model.layers.5", "model.layers.4", "model.layers.4.linear_attn._fp32_params"]
 
     # On CPU the all-gathers are asynchronous: entering layer 0 (after FSDP2's own
     # pre-forward: its hook is prepended) layer 1's prefetched all-gather is still an
     # outstanding work handle, not a finished blocking call.
-    groups = [s._fsdp_param_group for s in (m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)) if s._fsdp_param_group]
+    groups = [group for _, group in fsdp_unit_groups(model)]
     assert groups and all(g.unshard_async_op for g in groups)
     pending = {}
 
@@ -106,8 +104,7 @@ def _units_worker(rank: int, world: int) -> None:
     assert (rows[holders]["compute"], rows[holders]["params"]) == ("float32", 2 * 4 * len(gdn_layers))
     assert rows["model.layers.0"]["params"] == units["model.layers.0"]["params"]
     assert prefetch_of(shared, 0, "forward") == ["model.layers.1"]
-    shared_embed = shared.model.embed_tokens._get_fsdp_state()._states_to_forward_prefetch
-    assert [s._modules[0] for s in shared_embed] == [shared.model.layers[0], shared.model.layers[0].linear_attn._fp32_params]
+    assert prefetch_of(shared, shared.model.embed_tokens, "forward") == ["model.layers.0", "model.layers.0.linear_attn._fp32_params"]
     group = shared.model.layers[0].linear_attn._fp32_params._get_fsdp_state()._fsdp_param_group
     shared(**batch).loss.backward()
     assert all(fp.sharded_param.grad is not None for fp in group.fsdp_params)
@@ -123,9 +120,9 @@ def _units_worker(rank: int, world: int) -> None:
     assert "model.embed_tokens+model.norm+lm_head" in names and "model.embed_tokens" not in names
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     assert isinstance(tied.lm_head, FSDPModule)
-    tied_tail = tied.lm_head._get_fsdp_state()
-    assert [s._modules[0] for s in tied_tail._states_to_forward_prefetch][:1] == [tied.model.layers[0]]
-    assert [s._modules[0] for s in tied_tail._states_to_backward_prefetch][:1] == [tied.model.layers[-1]]
+    last = f"model.layers.{len(tied.model.layers) - 1}"
+    assert prefetch_of(tied, tied.lm_head, "forward")[:1] == ["model.layers.0"]
+    assert prefetch_of(tied, tied.lm_head, "backward")[:1] == [last]
 
 
 def test_units_are_dtype_uniform_and_prefetch_follows_layer_order():

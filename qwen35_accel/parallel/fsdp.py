@@ -249,3 +249,18 @@ def describe_units(model: nn.Module) -> list[dict[str, object]]:
             "compute": str(compute).removeprefix("torch.") if compute is not None else storages,
         })
     return rows
+
+
+def describe_prefetch(model: nn.Module) -> dict[str, dict[str, list[str]]]:
+    """{"forward"/"backward": {unit: units it gathers ahead}} as set on `model`'s FSDP2
+    units, in module order; units labelled as in `describe_units` (modules joined by "+")."""
+    groups = fsdp_unit_groups(model)
+    label = {id(group): "+".join(names) for names, group in groups}
+    out: dict[str, dict[str, list[str]]] = {"forward": {}, "backward": {}}
+    for names, group in groups:  # one entry per unit
+        state = model.get_submodule(names[0])._get_fsdp_state()
+        for kind, states in (("forward", state._states_to_forward_prefetch), ("backward", state._states_to_backward_prefetch)):
+            targets = [label[id(s._fsdp_param_group)] for s in states if id(s._fsdp_param_group) in label]
+            if targets:
+                out[kind][label[id(group)]] = targets
+    return out

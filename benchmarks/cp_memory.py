@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+import _report
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 0.6
@@ -54,13 +55,7 @@ def shape_note() -> str:
 
 
 def machine_note() -> str:
-    mem = ""
-    try:
-        with open("/proc/meminfo") as f:
-            mem = f", {int(f.readline().split()[1]) / 2**20:.0f} GiB RAM"
-    except OSError:
-        pass
-    return f"{platform.machine()}, {os.cpu_count()} CPU cores{mem}, torch {torch.__version__}, gloo over loopback, no GPU"
+    return f"{_report.machine()}, torch {torch.__version__}, gloo over loopback"
 
 
 def build_parallel_model(cp: int, seq: int):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from qwen35_accel.local_world import run_local_world
+from qwen35_accel.testing.local_world import run_local_world
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # inherited by the spawned ranks
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.multiprocess
 
 def _bad_input_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.tiny import build_tiny_causal_lm
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
     flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
 

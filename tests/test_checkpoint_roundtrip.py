@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _train_one_step(model, rank: int) -> None:
-    from qwen35_accel.tiny import random_batch
+    from qwen35_accel.testing.tiny import random_batch
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(**random_batch(2, 16, model.config.vocab_size, seed=rank)).loss.backward()
@@ -26,7 +26,7 @@ def _train_one_step(model, rank: int) -> None:
 
 def _roundtrip_worker(rank: int, world: int, out_dir: str) -> None:
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)

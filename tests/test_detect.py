@@ -5,7 +5,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from qwen35_accel.model.detect import is_dense_qwen35, qwen35_parts
-from qwen35_accel.tiny import build_tiny_causal_lm, build_tiny_vlm
+from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_vlm
 
 
 def test_dense_qwen35_causal_lm_and_vlm_are_detected():

@@ -8,7 +8,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from qwen35_accel.model.fp32_gate import HOLDER_NAME, install_fp32_gate
-from qwen35_accel.tiny import build_tiny_causal_lm, build_tiny_vlm, random_batch
+from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_vlm, random_batch
 
 GATE_KEYS = ("A_log", "dt_bias")
 

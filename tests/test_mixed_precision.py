@@ -17,7 +17,7 @@ GATE = ("A_log", "dt_bias")
 
 def _bf16_model_with_fp32_gate_params():
     """Unmodified Transformers model as a bf16 checkpoint with fp32 A_log/dt_bias loads."""
-    from qwen35_accel.tiny import build_tiny_causal_lm
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
     model = build_tiny_causal_lm(seed=0)
     for name, p in model.named_parameters():
@@ -27,7 +27,7 @@ def _bf16_model_with_fp32_gate_params():
 
 
 def _train_steps(model, steps: int, rank: int) -> list[float]:
-    from qwen35_accel.tiny import random_batch
+    from qwen35_accel.testing.tiny import random_batch
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = random_batch(2, 32, model.config.vocab_size, seed=rank)
@@ -67,7 +67,7 @@ def test_plain_fully_shard_fails_on_fp32_gate_params_and_parallelizer_trains():
 def _precision_worker(rank: int, world: int, layout: str, compute_dtype: torch.dtype) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.model.fp32_gate import HOLDER_NAME
-    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
     if layout == "fp32_master":
         model = build_tiny_causal_lm(seed=0)

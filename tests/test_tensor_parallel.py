@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_world
-from _parity import assert_close, hf_name
+from _parity import assert_close, assert_close_after_adam, hf_name
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,7 +29,7 @@ def _tp_worker(rank: int, world: int, dp: int, cp: int, tp: int, vocab_parallel:
     from qwen35_accel.context_parallel import shard_batch
     from qwen35_accel.parallel.tensor_parallel import clip_grad_norm_, gather_tensor_parallel
     from qwen35_accel.parallelization import mesh_dim_names
-    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
     reference = build_tiny_causal_lm(seed=0)
     model = build_tiny_causal_lm(seed=0)
@@ -103,7 +103,7 @@ def _tp_worker(rank: int, world: int, dp: int, cp: int, tp: int, vocab_parallel:
     expected = reference.state_dict()
     assert set(state) == set(expected)
     for key, value in expected.items():
-        assert_close(state[key], value, f"state_dict[{key}]", atol=1e-5)  # AdamW: see test_fsdp_parity
+        assert_close_after_adam(state[key], value, f"state_dict[{key}]", lr=1e-3, steps=STEPS)
 
 
 @pytest.mark.parametrize(
@@ -120,7 +120,7 @@ def _checkpoint_worker(rank: int, world: int, tmp: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
     # An unmodified checkpoint loads into a TP model (each rank keeps its slice)...
     source = build_tiny_causal_lm(seed=1)
@@ -150,7 +150,7 @@ def test_tp_checkpoints_are_transformers_checkpoints(tmp_path):
 
 def _bad_tp_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.tiny import build_tiny_causal_lm
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
     model = build_tiny_causal_lm(num_attention_heads=3, num_key_value_heads=1, linear_num_value_heads=6,
                                  linear_num_key_heads=3)
@@ -192,7 +192,7 @@ def _resume_worker(rank: int, world: int, tmp: str) -> None:
 
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.parallel.tensor_parallel import _state_dict_shapes_only, load_full_state_dict, register_optimizer_state_layout
-    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
     def build(dp: int, tp: int, seed: int):
         mesh = mesh_for(world, dp, 1, tp)
@@ -231,7 +231,10 @@ def _resume_worker(rank: int, world: int, tmp: str) -> None:
     expected = [_train_step(model, opt, batches[step], replica, 2) for step in (2, 3)]
     final = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
 
-    def check_resumed(resumed, resumed_opt, resumed_replica, per_rank, what, rtol):
+    def check_resumed(resumed, resumed_opt, resumed_replica, per_rank, what, same_layout):
+        # Same layout: one reduction order, the checkpoint round trip is exact (rtol 1e-6 for
+        # safety). Another layout: fp32 rtol 1e-5 on the losses, AdamW's rule on the weights.
+        rtol = 1e-6 if same_layout else 1e-5
         for i, step in enumerate((2, 3)):
             loss = _train_step(resumed, resumed_opt, batches[step], resumed_replica, per_rank)
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
@@ -240,7 +243,10 @@ def _resume_worker(rank: int, world: int, tmp: str) -> None:
             assert_close(loss, want, f"{what}: loss at step {step}", rtol=rtol)
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in resumed.state_dict().items()}
         for key, value in final.items():
-            assert_close(state[key], value, f"{what}: {key} after resuming", rtol=rtol, atol=1e-6)
+            if same_layout:
+                assert_close(state[key], value, f"{what}: {key} after resuming", rtol=rtol, atol=1e-6)
+            else:
+                assert_close_after_adam(state[key], value, f"{what}: {key} after resuming", lr=1e-2, steps=2)
 
     def load_sharded(dp, tp, seed):
         resumed, resumed_opt, resumed_replica = build(dp, tp, seed)
@@ -252,17 +258,17 @@ def _resume_worker(rank: int, world: int, tmp: str) -> None:
 
     # 1. Same layout, from the sharded checkpoint (what Accelerate's SHARDED_STATE_DICT does).
     resumed, resumed_opt, _ = load_sharded(2, 2, seed=5)
-    check_resumed(resumed, resumed_opt, replica, 2, "sharded", rtol=1e-6)
+    check_resumed(resumed, resumed_opt, replica, 2, "sharded", same_layout=True)
 
     # 2. Same layout, from full state dicts on rank 0 (FULL_STATE_DICT checkpoints).
     resumed, resumed_opt, _ = build(2, 2, seed=6)
     load_full_state_dict(resumed, full_model if rank == 0 else None)
     set_optimizer_state_dict(resumed, resumed_opt, full_optim if rank == 0 else {}, options=full)
-    check_resumed(resumed, resumed_opt, replica, 2, "full", rtol=1e-6)
+    check_resumed(resumed, resumed_opt, replica, 2, "full", same_layout=True)
 
     # 3. The checkpoint does not depend on the tp size: resume the sharded one at dp 4, tp 1.
     resumed, resumed_opt, replica4 = load_sharded(4, 1, seed=7)
-    check_resumed(resumed, resumed_opt, replica4, 1, "tp 2 -> tp 1", rtol=1e-5)
+    check_resumed(resumed, resumed_opt, replica4, 1, "tp 2 -> tp 1", same_layout=False)
 
     # Wrong shapes are named, on every rank; split tensors are checked against their
     # Transformers shape, which load_full_state_dict learns without gathering them.

@@ -18,7 +18,7 @@ ROWS = 2
 
 
 def _frozen_vlm():
-    from qwen35_accel.tiny import build_tiny_vlm
+    from qwen35_accel.testing.tiny import build_tiny_vlm
 
     model = build_tiny_vlm(seed=0)
     model.model.visual.requires_grad_(False)
@@ -27,7 +27,7 @@ def _frozen_vlm():
 
 def _vlm_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.tiny import random_vlm_batch
+    from qwen35_accel.testing.tiny import random_vlm_batch
 
     reference = _frozen_vlm()
     batch = random_vlm_batch(reference.config, ROWS * world, 24, seed=11)

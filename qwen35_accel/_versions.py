@@ -29,11 +29,19 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def check_versions(required: tuple[str, ...] = ("torch", "transformers")) -> dict[str, str]:
-    """Raise ImportError naming every installed version outside SUPPORTED.
+def is_supported(name: str, version: str) -> bool:
+    """Whether `version` of package `name` lies in its SUPPORTED range."""
+    lo, hi, _why = SUPPORTED[name]
+    return _release(lo) <= _release(version) < _release(hi)
 
-    `accelerate` is optional for the core (only the integration needs it) and is checked
-    only if installed. Returns the installed versions by name.
+
+def check_versions(required: tuple[str, ...] = ("torch", "transformers")) -> dict[str, str]:
+    """Raise ImportError naming every installed version of a `required` package outside SUPPORTED.
+
+    The core (`PARALLELIZER.apply`) needs torch and Transformers; Accelerate is needed by
+    the plugin alone, which checks its own version and stays off (saying why) outside its
+    tested range, so an unsupported Accelerate does not stop the import. Returns the
+    installed versions by name.
     """
     found: dict[str, str] = {}
     problems: list[str] = []
@@ -44,8 +52,7 @@ def check_versions(required: tuple[str, ...] = ("torch", "transformers")) -> dic
             if name in required:
                 problems.append(f"{name} is not installed; qwen35-accel needs {name}>={lo},<{hi} ({why})")
             continue
-        v = _release(found[name])
-        if not (_release(lo) <= v < _release(hi)):
+        if name in required and not is_supported(name, found[name]):
             problems.append(f"{name} {found[name]} is installed; qwen35-accel supports {name}>={lo},<{hi} ({why})")
     if problems:
         message = (

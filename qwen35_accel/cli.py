@@ -23,11 +23,15 @@ from typing import Any
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
+class PlanError(Exception):
+    """A configuration `plan` cannot lay out; the message names what to change."""
+
+
 def _load_yaml(path: str) -> Any:
     from accelerate.commands.config.config_args import load_config_from_file
 
     if not os.path.isfile(path):
-        raise SystemExit(f"qwen35-accel plan: no such config file: {path}")
+        raise PlanError(f"no such config file: {path}")
     return load_config_from_file(path)
 
 
@@ -44,21 +48,25 @@ def _sizes(cluster: Any) -> dict[str, int]:
     sizes["dp_shard"] = int(shard) if shard else max(1, world // rest)
     total = rest * sizes["dp_shard"]
     if total != world:
-        raise SystemExit(
-            f"qwen35-accel plan: dp_replicate {sizes['dp_replicate']} x dp_shard {sizes['dp_shard']} x cp {sizes['cp']} "
-            f"x tp {sizes['tp']} = {total} does not match num_processes {world}"
+        raise PlanError(
+            f"dp_replicate {sizes['dp_replicate']} x dp_shard {sizes['dp_shard']} x cp {sizes['cp']} "
+            f"x tp {sizes['tp']} = {total} does not match num_processes {world}; change num_processes or the "
+            "parallelism_config sizes so that they agree"
         )
     return {"world": world, **sizes}
 
 
 def _model_config(model: str) -> Any:
     if model == "tiny":
-        from .tiny import tiny_text_config
+        from .testing.tiny import tiny_text_config
 
         return tiny_text_config()
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model)
+    try:
+        return AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        raise PlanError(f"--model {model!r}: {str(error).splitlines()[0]}; pass a model directory or 'tiny'") from None
 
 
 def _shard_rows(rows: int, shards: int) -> list[int]:
@@ -153,7 +161,7 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
     model_config = _model_config(model)
     text_config = model_config.get_text_config()
     if seq_len % (2 * sizes["cp"]):
-        raise SystemExit(f"qwen35-accel plan: --seq-len {seq_len} is not divisible by 2*cp = {2 * sizes['cp']}")
+        raise PlanError(f"--seq-len {seq_len} is not divisible by 2*cp = {2 * sizes['cp']}; pass a multiple of it")
 
     if not dist.is_initialized():
         dist.init_process_group("fake", rank=0, world_size=sizes["world"], store=FakeStore())
@@ -197,6 +205,8 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
         )
     except NotImplementedError as exc:
         error = str(exc)
+    except ValueError as exc:  # a configuration the model cannot take (e.g. tp not dividing the heads)
+        raise PlanError(str(exc)) from None
 
     shards = sizes["dp_shard"] * sizes["cp"]
     units = _units(net, shards, sizes["tp"]) if error is None else []
@@ -299,7 +309,7 @@ def env() -> dict[str, Any]:
     import platform
 
     from . import __version__
-    from ._versions import SUPPORTED
+    from ._versions import SUPPORTED, is_supported
     from .integrations.settings import PluginSettings, settings_table
 
     versions = {}
@@ -322,6 +332,7 @@ def env() -> dict[str, Any]:
         "python": platform.python_version(),
         "versions": versions,
         "supported": {name: f">={lo},<{hi}" for name, (lo, hi, _why) in SUPPORTED.items()},
+        "versions_ok": {name: version is not None and is_supported(name, version) for name, version in versions.items()},
         "autoload_entry_point": entry_points[0] if entry_points else None,
         "QWEN35_ACCEL": os.environ.get("QWEN35_ACCEL", "(unset: on)"),
         "settings": settings,
@@ -333,10 +344,12 @@ def env() -> dict[str, Any]:
 def _print_env(e: dict[str, Any]) -> None:
     print(f"qwen35_accel {e['qwen35_accel']} (python {e['python']})")
     for name, version in e["versions"].items():
-        print(f"  {name:<13} {version or 'not installed':<12} supported {e['supported'].get(name, '?')}")
+        verdict = "ok" if e["versions_ok"][name] else "UNSUPPORTED"
+        print(f"  {name:<13} {version or 'not installed':<12} {verdict:<11} (supported {e['supported'].get(name, '?')})")
     plugin = e["plugin"]
-    state = "active" if plugin["active"] else "not active"
-    print(f"plugin: {state}; accelerate {plugin['accelerate']} (tested {plugin['tested_accelerate']})")
+    state = "active" if plugin["active"] else f"NOT ACTIVE: {plugin['why_not_active']}"
+    print(f"plugin: {state}")
+    print(f"  accelerate {plugin['accelerate']} (patch points tested with {plugin['tested_accelerate']})")
     print(f"  autoload entry point: {e['autoload_entry_point'] or 'missing (reinstall the package)'}; QWEN35_ACCEL={e['QWEN35_ACCEL']}")
     print("patch points:")
     for point in plugin["patch_points"]:
@@ -363,7 +376,11 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
     if args.command == "plan":
-        result = plan(args.model, args.config, args.seq_len)
+        try:
+            result = plan(args.model, args.config, args.seq_len)
+        except PlanError as error:
+            print(f"qwen35-accel plan: {error}", file=sys.stderr)
+            return 2
         print(json.dumps(result, indent=2)) if args.json else _print_plan(result)
     else:
         result = env()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
 
@@ -84,3 +86,47 @@ def test_env_lists_versions_plugin_and_patch_points():
     assert e["plugin"]["active"] and all(pt["active"] for t, pt in points.items() if t.startswith("accelerate."))
     assert points["transformers.trainer.Trainer.save_model"]["deferred"]  # env does not import the Trainer
     assert {row["variable"] for row in e["settings_reference"]} >= {"QWEN35_ACCEL", "QWEN35_ACCEL_CPU_FSDP"}
+
+
+def test_plan_with_an_impossible_config_prints_one_line_naming_the_fix_and_exits_2(tmp_path):
+    config = tmp_path / "tp3.yaml"  # the tiny model has 4 attention heads and 2 key/value heads
+    config.write_text(
+        (CONFIGS / "cpu_fsdp2_tp2.yaml").read_text()
+        .replace("num_processes: 4", "num_processes: 6").replace("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 3")
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "qwen35_accel.cli", "plan", "--model", "tiny", "--config", str(config)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "tp size 3 must divide num_attention_heads = 4" in result.stderr
+    assert "this model takes tp sizes [1, 2]" in result.stderr
+
+
+def test_env_with_an_unsupported_accelerate_says_why_the_plugin_is_off(monkeypatch, capsys):
+    """What `env` prints in a process where Accelerate 1.14 is installed: the plugin's
+    install() refuses that version, so no patch point is active."""
+    import importlib.metadata
+
+    import accelerate
+
+    from qwen35_accel import cli
+    from qwen35_accel.integrations import accelerate as plugin
+
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.14.0" if name == "accelerate" else real_version(name))
+    monkeypatch.setattr(accelerate, "__version__", "1.14.0")
+    plugin.uninstall()
+    try:
+        with pytest.warns(UserWarning, match="accelerate 1.14.0 is outside the tested range"):
+            assert plugin.install() is False
+        report = cli.env()
+        cli._print_env(report)
+    finally:
+        monkeypatch.undo()
+        plugin.install()
+    out = capsys.readouterr().out
+    assert report["versions_ok"] == {"torch": True, "transformers": True, "accelerate": False}
+    assert "accelerate    1.14.0       UNSUPPORTED" in out
+    assert "plugin: NOT ACTIVE: accelerate 1.14.0 is outside the plugin's tested range >=1.15,<1.16" in out

@@ -47,3 +47,10 @@ def test_ignore_versions_turns_the_error_into_a_warning(monkeypatch):
     monkeypatch.setenv("QWEN35_ACCEL_IGNORE_VERSIONS", "1")
     with pytest.warns(UserWarning, match="torch 2.11.0 is installed"):
         assert _versions.check_versions()["torch"] == "2.11.0"
+
+
+def test_an_unsupported_accelerate_does_not_stop_the_import(monkeypatch):
+    """Only the plugin needs Accelerate; it checks its own version and stays off outside it."""
+    monkeypatch.setattr(_versions.metadata, "version", lambda name: {"accelerate": "1.14.0", "torch": "2.13.0"}.get(name, "5.24.0"))
+    assert _versions.check_versions()["accelerate"] == "1.14.0"
+    assert not _versions.is_supported("accelerate", "1.14.0") and _versions.is_supported("accelerate", "1.15.2")

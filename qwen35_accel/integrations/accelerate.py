@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .cpu_backend import accelerator_state_init, main_process_note, prepare_backend
 from .settings import PluginSettings
 
 logger = logging.getLogger(__name__)
@@ -143,97 +144,6 @@ def _is_dense_qwen35(model: Any) -> bool:
     from ..model.detect import is_dense_qwen35
 
     return isinstance(model, nn.Module) and is_dense_qwen35(model)
-
-
-def _main_process_note(message: str) -> None:
-    """One line on the main process: what the plugin did (visible in launcher logs)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"[qwen35_accel] {message}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------- FSDP on CPU
-
-
-def _no_accelerator() -> bool:
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and hasattr(accelerator, "is_available"):
-        return not accelerator.is_available()
-    return not torch.cuda.is_available()
-
-
-def _cpu_fsdp_wanted() -> bool:
-    from accelerate.utils import get_int_from_env
-
-    world = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
-    return (
-        PluginSettings.from_env().cpu_fsdp
-        and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-        and world > 1
-        and _no_accelerator()
-    )
-
-
-_exit_hook_registered = False
-
-
-def _close_gloo_group_at_exit() -> None:
-    """Tear the gloo group down while the interpreter is still whole. Left to interpreter
-    finalisation, a rank of a finished run sometimes aborts there ("terminate called
-    without an active exception", seen with torch 2.13), which fails the launch."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-        try:
-            dist.barrier()  # no rank closes its connections while a peer may still talk to it
-            dist.destroy_process_group()
-        except Exception:  # a peer already failed: its error is the one that matters
-            pass
-
-
-def _prepare_backend(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def wrapper(self: Any, cpu: bool = False, sagemaker_dp: bool = False, backend: str | None = None) -> Any:
-        from accelerate.utils import DistributedType
-
-        global _exit_hook_registered
-        chosen_backend, distributed_type = original(self, cpu, sagemaker_dp, backend)
-        if distributed_type == DistributedType.NO and backend in (None, "gloo") and _cpu_fsdp_wanted():
-            if not _exit_hook_registered:
-                import atexit
-
-                atexit.register(_close_gloo_group_at_exit)
-                _exit_hook_registered = True
-            return "gloo", DistributedType.MULTI_CPU
-        return chosen_backend, distributed_type
-
-    return wrapper
-
-
-def _accelerator_state_init(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        from accelerate.utils import DistributedType
-
-        original(self, *args, **kwargs)
-        fsdp_plugin = kwargs.get("fsdp_plugin")
-        if (
-            fsdp_plugin is not None
-            and getattr(self, "distributed_type", None) == DistributedType.MULTI_CPU
-            and _no_accelerator()
-            and PluginSettings.from_env().cpu_fsdp
-        ):
-            from accelerate.state import PartialState
-
-            self.distributed_type = DistributedType.FSDP
-            # As Accelerate does at the end of its own __init__: later AcceleratorState()
-            # calls copy PartialState's shared state over this one.
-            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-            if self._mixed_precision != "no":
-                fsdp_plugin.set_mixed_precision(self._mixed_precision)
-            self.fsdp_plugin = fsdp_plugin
-            _main_process_note(f"no accelerator found: FSDP{fsdp_plugin.fsdp_version} runs on CPU over gloo")
-
-    return wrapper
 
 
 # ---------------------------------------------------------------- FSDP2 preparation
@@ -382,7 +292,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
 
     model._qwen35_accel_prepared = True
     cp = mesh_dim_size(mesh, "cp")
-    _main_process_note(
+    main_process_note(
         f"{type(model).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
         f"activation checkpointing={bool(plugin.activation_checkpointing)}"
@@ -564,8 +474,8 @@ def _trainer_save_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
-    "PartialState._prepare_backend": _prepare_backend,
-    "AcceleratorState.__init__": _accelerator_state_init,
+    "PartialState._prepare_backend": prepare_backend,
+    "AcceleratorState.__init__": accelerator_state_init,
     "Accelerator._prepare_tp": _prepare_tp,
     "Accelerator._prepare_cp": _prepare_cp,
     "Accelerator._prepare_fsdp2": _prepare_fsdp2,
@@ -663,11 +573,30 @@ def status() -> dict[str, Any]:
         points.append(
             {"target": f"{point.module}.{point.attribute}", "active": active, "deferred": deferred, "purpose": point.purpose}
         )
+    active = any(p["active"] for p in points)
     return {
         "accelerate": version,
         "tested_accelerate": TESTED_ACCELERATE,
         "supported": supported,
-        "active": any(p["active"] for p in points),
+        "active": active,
+        "why_not_active": None if active else _why_not_active(version, supported),
         "tested_transformers": TESTED_TRANSFORMERS,
         "patch_points": points,
     }
+
+
+def _why_not_active(version: str | None, supported: bool) -> str:
+    if version is None:
+        return "accelerate is not installed"
+    if not supported:
+        return (
+            f"accelerate {version} is outside the plugin's tested range {TESTED_ACCELERATE}: stock Accelerate behaviour "
+            f"(install accelerate{TESTED_ACCELERATE}; PARALLELIZER.apply works without the plugin)"
+        )
+    try:
+        enabled = PluginSettings.from_env().enabled
+    except ValueError as error:
+        return f"invalid settings: {error}"
+    if not enabled:
+        return "QWEN35_ACCEL=0 turns the automatic activation off (qwen35_accel.install() activates it explicitly)"
+    return "not activated in this process (the torch entry point activates it once accelerate is imported)"

@@ -46,6 +46,11 @@ class PluginSettings:
     fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of the units in layer order, embedding to tail")
     fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
     fsdp2_backward_prefetch_depth: int = _knob(2, "layers prefetched ahead in backward")
+    exit_barrier_timeout: int = _knob(
+        60,
+        "seconds a CPU (gloo) rank that finished normally waits at exit for its peers before leaving without "
+        "tearing the group down; a rank that ends through an exception never waits",
+    )
     ignore_versions: bool = _knob(
         False, "1: an unsupported torch/transformers/accelerate version warns at import instead of raising"
     )

@@ -31,6 +31,7 @@ full state dict.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -186,9 +187,12 @@ def check_divisible(config: Any, tp: int) -> None:
     }
     bad = {name: n for name, n in counts.items() if n % tp}
     if bad:
+        common = math.gcd(*counts.values())
+        sizes = [d for d in range(1, common + 1) if common % d == 0]
         raise ValueError(
             "tensor parallelism splits whole heads: tp size "
             f"{tp} must divide " + ", ".join(f"{name} = {n}" for name, n in bad.items())
+            + f"; this model takes tp sizes {sizes} (parallelism_config_tp_size)"
         )
 
 

@@ -73,16 +73,22 @@ class Run:
         self.started = datetime.now(timezone.utc)
         self.load_before = _load()
 
-    def header(self) -> str:
-        """Markdown lines: command, date, duration, versions, machine, load average before / after."""
+    def fields(self) -> dict[str, str]:
+        """Command, date, duration, versions, machine, load average before / after (now)."""
         seconds = (datetime.now(timezone.utc) - self.started).total_seconds()
-        return "\n".join([
-            f"- Command: `{self.command}`",
-            f"- Date: {self.started:%Y-%m-%d %H:%M} UTC, {seconds:.0f} s",
-            f"- Versions: {versions()}",
-            f"- Machine: {machine()}",
-            f"- Load average (1 / 5 / 15 min) before: {self.load_before}; after: {_load()} (on {os.cpu_count()} cores)",
-        ])
+        return {
+            "Command": self.command,
+            "Date": f"{self.started:%Y-%m-%d %H:%M} UTC, {seconds:.0f} s",
+            "Versions": versions(),
+            "Machine": machine(),
+            "Load average (1 / 5 / 15 min)": f"before: {self.load_before}; after: {_load()} (on {os.cpu_count()} cores)",
+        }
+
+    def header(self) -> str:
+        """`fields()` as markdown list lines."""
+        fields = self.fields()
+        fields["Command"] = f"`{fields['Command']}`"
+        return "\n".join(f"- {key}: {value}" for key, value in fields.items())
 
     def write(self, folder: Path | None, name: str, title: str, body: str, *, append: bool = False) -> Path | None:
         """Write `# title`, the header and `body` to folder/name (nothing when folder is None).

@@ -1,6 +1,6 @@
 """Context-parallel traffic of one GatedDeltaNet layer: ours vs all-gathering the hidden states.
 
-    python benchmarks/cp_comm.py [--measure-seqs 1024 2048 4096] [--cp 2] [--batch 1]
+    python benchmarks/cp_comm.py [--measure-seqs 1024 2048 4096] [--cp 2] [--batch 1] [--smoke]
 
 Bytes each rank contributes per GatedDeltaNet layer, forward and backward:
 - ours (`ContextParallelGatedDeltaNet`): one all-gather of the conv halo (the last K-1
@@ -25,20 +25,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+import _report
 
 # Our assumed shapes ("-like": not read from any checkpoint).
 SHAPES: dict[str, dict[str, int]] = {
     "4B-like": dict(hidden=2560, k_heads=16, v_heads=32, k_dim=128, v_dim=128, conv_kernel=4),
     "27B-like": dict(hidden=5120, k_heads=16, v_heads=48, k_dim=128, v_dim=128, conv_kernel=4),
 }
+# --smoke measures (and checks the formulas on) a small layer instead of the 4B-like one.
+SMOKE_SHAPE = dict(hidden=64, k_heads=2, v_heads=4, k_dim=16, v_dim=16, conv_kernel=4)
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 COMPUTE = "bf16"  # hidden states and halo travel in the compute dtype
 SUMMARY = "fp32"  # state summaries are always fp32 (chunk_summary computes in fp32)
@@ -120,7 +121,7 @@ class AllGatherHiddenGatedDeltaNet(torch.nn.Module):
         return shard_sequence(self.layer(whole), cp, rank, 1)
 
 
-def _measure_worker(rank: int, world: int, seqs: list[int], batch: int, dtype_name: str, out_path: str) -> None:
+def _measure_worker(rank: int, world: int, seqs: list[int], batch: int, dtype_name: str, s: dict[str, int], out_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -130,7 +131,6 @@ def _measure_worker(rank: int, world: int, seqs: list[int], batch: int, dtype_na
     from qwen35_accel.tiny import build_tiny_causal_lm
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    s = SHAPES["4B-like"]
     config = dict(
         hidden_size=s["hidden"], intermediate_size=64, num_hidden_layers=1, layer_types=["linear_attention"],
         linear_num_key_heads=s["k_heads"], linear_num_value_heads=s["v_heads"], linear_key_head_dim=s["k_dim"],
@@ -203,20 +203,24 @@ def main() -> None:
     parser.add_argument("--measure-dtype", choices=["bf16", "fp32"], default="bf16",
                         help="dtype of the measured layer (fp32: elements checked, bytes priced at the assumed dtypes)")
     parser.add_argument("--max-seq", type=int, default=128 * 1024)
+    _report.add_arguments(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.measure_seqs = [32, 64]
+    measured_name, shape = ("small (smoke)", SMOKE_SHAPE) if args.smoke else ("4B-like", SHAPES["4B-like"])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from qwen35_accel.local_world import run_local_world
 
+    run = _report.Run()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "measured.json")
-        run_local_world(_measure_worker, args.cp, args.measure_seqs, args.batch, args.measure_dtype, path, threads_per_rank=1)
+        run_local_world(_measure_worker, args.cp, args.measure_seqs, args.batch, args.measure_dtype, shape, path, threads_per_rank=1)
         per_rank = json.loads(Path(path).read_text())
 
     lines: list[str] = []
     failures: list[str] = []
-    shape = SHAPES["4B-like"]
-    lines.append(f"## Measured (profiler, gloo, cp={args.cp}, batch {args.batch}, 4B-like layer computed in {args.measure_dtype})\n")
+    lines.append(f"## Measured (profiler, gloo, cp={args.cp}, batch {args.batch}, {measured_name} layer computed in {args.measure_dtype})\n")
     priced = "" if args.measure_dtype == COMPUTE else f" Elements measured in {args.measure_dtype}, priced at the assumed dtypes ({COMPUTE} compute, {SUMMARY} summaries)."
     lines.append(f"Bytes per rank per GatedDeltaNet layer (max over ranks; every rank measured and checked).{priced}\n")
     lines.append("| seq | ours fwd | ours bwd | all-gather fwd | all-gather bwd | formula match | ours vs all-gather output (max rel err) |")
@@ -272,8 +276,8 @@ def main() -> None:
     for name, shape in SHAPES.items():
         dims = ", ".join(f"{k} {v}" for k, v in shape.items())
         lines.append(f"\n## Computed from the formulas: {name} ({dims}), cp={args.cp}, batch {args.batch}, bf16 compute, fp32 summaries\n")
-        lines.append("| seq | ours fwd | ours bwd | all-gather fwd | all-gather bwd | ratio all-gather/ours |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| seq | ours fwd | ours bwd | ours fwd + bwd | all-gather fwd | all-gather bwd | all-gather fwd + bwd | ratio all-gather/ours |")
+        lines.append("|---|---|---|---|---|---|---|---|")
         computed[name] = {"ours": [], "allgather": []}
         for seq in seqs:
             o = ours_collectives(seq, args.cp, args.batch, shape)
@@ -282,7 +286,10 @@ def main() -> None:
             af, ab = total_bytes(a["forward"]), total_bytes(a["backward"])
             computed[name]["ours"].append(of + ob)
             computed[name]["allgather"].append(af + ab)
-            lines.append(f"| {seq} | {_fmt_bytes(of)} | {_fmt_bytes(ob)} | {_fmt_bytes(af)} | {_fmt_bytes(ab)} | {(af + ab) / (of + ob):.2f} |")
+            lines.append(
+                f"| {seq} | {_fmt_bytes(of)} | {_fmt_bytes(ob)} | {_fmt_bytes(of + ob)} | {_fmt_bytes(af)} | {_fmt_bytes(ab)} | "
+                f"{_fmt_bytes(af + ab)} | {(af + ab) / (of + ob):.2f} |"
+            )
         # Break-even: all-gather total = ours total.
         ours_total = computed[name]["ours"][-1]
         per_token = (1 + args.cp) * DTYPE_BYTES[COMPUTE] * args.batch * shape["hidden"] / args.cp
@@ -293,20 +300,17 @@ def main() -> None:
     if failures:
         print("\nFORMULA MISMATCH:\n" + "\n".join(failures), file=sys.stderr)
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    _plot(seqs, computed, measured_points, args)
-    command = "python benchmarks/cp_comm.py " + " ".join(sys.argv[1:])
-    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread per rank"
-    (RESULTS / "cp_comm.md").write_text(
-        f"# GatedDeltaNet context-parallel traffic per rank per layer\n\n"
-        f"Command: `{command.strip()}`\n\nMachine: {machine}.\n\n{table}\n\n![bytes vs sequence](cp_comm.png)\n"
-        + ("\n**FORMULA MISMATCH** (see stderr of the run)\n" if failures else "")
-    )
+    folder = _report.results_dir(args)
+    if folder is not None:
+        _plot(seqs, computed, measured_points, args, folder)
+        run.write(folder, "cp_comm.md", "GatedDeltaNet context-parallel traffic per rank per layer",
+                  f"Machine: gloo, 1 thread per rank.\n\n{table}\n\n![bytes vs sequence](cp_comm.png)\n"
+                  + ("\n**FORMULA MISMATCH** (see stderr of the run)\n" if failures else ""))
     if failures:
         sys.exit(1)
 
 
-def _plot(seqs, computed, measured_points, args) -> None:
+def _plot(seqs, computed, measured_points, args, folder: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -334,7 +338,7 @@ def _plot(seqs, computed, measured_points, args) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / "cp_comm.png", dpi=120)
+    fig.savefig(folder / "cp_comm.png", dpi=120)
 
 
 if __name__ == "__main__":

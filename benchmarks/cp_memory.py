@@ -1,6 +1,6 @@
 """Activation memory per rank under context parallelism: cp 2 (world 2) vs cp 1 (world 1).
 
-    python benchmarks/cp_memory.py [--seq 16384] [--cp 2] [--backward]
+    python benchmarks/cp_memory.py [--seq 16384] [--cp 2] [--backward] [--smoke]
 
 A tiny-but-wide dense Qwen3.5 (hidden 512, 4 layers: 3 GatedDeltaNet + 1 full attention,
 fp32, sdpa) under `PARALLELIZER.apply`, one forward (+ backward with `--backward`):
@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import resource
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,6 @@ import torch
 
 import _report
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 0.6
 
 # A tiny-but-wide dense Qwen3.5: 4 layers = linear, linear, full, linear attention (shared with cp_step.py).
@@ -42,10 +40,14 @@ WIDE_SHAPE: dict[str, Any] = dict(
     head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
     linear_conv_kernel_dim=4, vocab_size=512,
 )
+# --smoke (here and in cp_step.py): the same layer pattern, small.
+SMOKE_SHAPE: dict[str, Any] = dict(
+    WIDE_SHAPE, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=128,
+)
 
 
-def shape_note() -> str:
-    s = WIDE_SHAPE
+def shape_note(s: dict[str, Any] = WIDE_SHAPE) -> str:
     return (
         f"model: hidden {s['hidden_size']}, intermediate {s['intermediate_size']}, {s['num_hidden_layers']} layers "
         f"(linear, linear, full, linear attention), attention heads {s['num_attention_heads']} (kv {s['num_key_value_heads']}) "
@@ -54,11 +56,7 @@ def shape_note() -> str:
     )
 
 
-def machine_note() -> str:
-    return f"{_report.machine()}, torch {torch.__version__}, gloo over loopback"
-
-
-def build_parallel_model(cp: int, seq: int):
+def build_parallel_model(cp: int, seq: int, shape: dict[str, Any] = WIDE_SHAPE):
     """(model under PARALLELIZER.apply, mesh): world 1 without CP for cp=1, else Accelerate's mesh shape."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -70,17 +68,17 @@ def build_parallel_model(cp: int, seq: int):
     else:
         mesh = init_device_mesh("cpu", (1, cp), mesh_dim_names=("dp_shard", "cp"))
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    model = build_tiny_causal_lm(seed=0, max_position_embeddings=seq, **WIDE_SHAPE)
+    model = build_tiny_causal_lm(seed=0, max_position_embeddings=seq, **shape)
     PARALLELIZER.apply(model, mesh)
     return model, mesh
 
 
-def make_batch(cp: int, seq: int, mesh) -> dict[str, torch.Tensor]:
+def make_batch(cp: int, seq: int, mesh, shape: dict[str, Any] = WIDE_SHAPE) -> dict[str, torch.Tensor]:
     """The same whole batch on every rank (labels = input_ids); this rank's part under CP."""
     from qwen35_accel.context_parallel import shard_batch
     from qwen35_accel.tiny import random_batch
 
-    batch = random_batch(1, seq, WIDE_SHAPE["vocab_size"], seed=0)
+    batch = random_batch(1, seq, shape["vocab_size"], seed=0)
     return batch if cp == 1 else shard_batch(batch, mesh["cp"])
 
 
@@ -99,11 +97,11 @@ def _param_storages(model: torch.nn.Module) -> set[int]:
     return ptrs
 
 
-def _worker(rank: int, world: int, cp: int, seq: int, backward: bool, out_path: str) -> None:
+def _worker(rank: int, world: int, cp: int, seq: int, backward: bool, shape: dict[str, Any], out_path: str) -> None:
     import torch.distributed as dist
 
-    model, mesh = build_parallel_model(cp, seq)
-    batch = make_batch(cp, seq, mesh)
+    model, mesh = build_parallel_model(cp, seq, shape)
+    batch = make_batch(cp, seq, mesh, shape)
     rss_before = _rss_mib()
 
     saved: dict[int, int] = {}  # storage data_ptr -> nbytes
@@ -171,19 +169,24 @@ def main() -> None:
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--backward", action="store_true",
                         help="also run the backward (peak RSS of the whole step); slow on CPU at long sequences")
-    parser.add_argument("--out-name", default="cp_memory", help="results file stem under benchmarks/results")
+    parser.add_argument("--out-name", default="cp_memory", help="results file stem (in --results-dir)")
+    _report.add_arguments(parser)
     args = parser.parse_args()
+    shape = WIDE_SHAPE
+    if args.smoke:
+        args.seq, shape = 128, SMOKE_SHAPE
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from qwen35_accel.local_world import run_local_world
 
+    run = _report.Run()
     runs: dict[int, list[dict]] = {}
     threads = {cp: max(1, (os.cpu_count() or 1) // cp) for cp in (1, args.cp)}
     with tempfile.TemporaryDirectory() as tmp:
         for cp in (1, args.cp):
             path = os.path.join(tmp, f"cp{cp}.json")
             # Memory does not depend on timing: each world may use every core.
-            run_local_world(_worker, cp, cp, args.seq, args.backward, path, threads_per_rank=threads[cp])
+            run_local_world(_worker, cp, cp, args.seq, args.backward, shape, path, threads_per_rank=threads[cp])
             runs[cp] = json.loads(Path(path).read_text())
 
     base = runs[1][0]["activation_bytes"]
@@ -192,7 +195,7 @@ def main() -> None:
     step = "forward + backward" if args.backward else "forward only (activation memory is fixed by the forward)"
     after = "after backward" if args.backward else "end of step"
     lines = [
-        f"seq {args.seq} tokens, batch 1, {step}; {shape_note()}.\n",
+        f"seq {args.seq} tokens, batch 1, {step}; {shape_note(shape)}.\n",
         "| config | rank | local tokens | activation memory (MiB, saved for backward) | saved storages | peak RSS before step (MiB) | peak RSS after forward (MiB) | loss |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -229,17 +232,15 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    _plot(runs, args, ratio)
-    command = "python benchmarks/cp_memory.py " + " ".join(sys.argv[1:])
-    (RESULTS / f"{args.out_name}.md").write_text(
-        f"# Activation memory per rank: cp {args.cp} vs cp 1\n\nCommand: `{command.strip()}`\n\n"
-        f"Machine: {machine_note()}; threads per rank: cp 1 {threads[1]}, cp {args.cp} {threads[args.cp]} "
-        f"(memory only, no timing).\n\n{table}\n\n![activation memory]({args.out_name}.png)\n"
-    )
+    folder = _report.results_dir(args)
+    if folder is not None:
+        _plot(runs, args, ratio, folder)
+        run.write(folder, f"{args.out_name}.md", f"Activation memory per rank: cp {args.cp} vs cp 1",
+                  f"Threads per rank: cp 1 {threads[1]}, cp {args.cp} {threads[args.cp]} (memory only, no timing).\n\n"
+                  f"{table}\n\n![activation memory]({args.out_name}.png)\n")
 
 
-def _plot(runs, args, ratio) -> None:
+def _plot(runs, args, ratio, folder: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -258,10 +259,10 @@ def _plot(runs, args, ratio) -> None:
     ax.axhline(TARGET * base, color="tab:red", linestyle="--", label=f"target: {TARGET} x cp 1")
     ax.axhline(base / args.cp, color="tab:green", linestyle=":", label=f"ideal: cp 1 / {args.cp}")
     ax.set_ylabel("activation memory per rank (MiB, saved for backward)")
-    ax.set_title(f"seq {args.seq}, 4-layer Qwen3.5 (hidden 512), fp32: cp {args.cp} / cp 1 = {ratio:.2f}", fontsize=9)
+    ax.set_title(f"seq {args.seq}, 4-layer Qwen3.5, fp32: cp {args.cp} / cp 1 = {ratio:.2f}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{args.out_name}.png", dpi=120)
+    fig.savefig(folder / f"{args.out_name}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Step time (forward + backward) per rank under context parallelism: cp 2 vs cp 1.
 
-    python benchmarks/cp_step.py [--seq 4096] [--rounds 3] [--warmup 1] [--steps 2]
+    python benchmarks/cp_step.py [--seq 4096] [--rounds 3] [--warmup 1] [--steps 2] [--smoke]
 
 The same tiny-but-wide dense Qwen3.5 as cp_memory.py (hidden 512, 4 layers: 3
 GatedDeltaNet + 1 full attention, fp32, sdpa) under `PARALLELIZER.apply`, 1 thread per rank:
@@ -24,21 +24,22 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from cp_memory import build_parallel_model, machine_note, make_batch, shape_note
+import _report
+from cp_memory import SMOKE_SHAPE, WIDE_SHAPE, build_parallel_model, make_batch, shape_note
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
-
-def _worker(rank: int, world: int, cp: int, seq: int, warmup: int, steps: int, profile_step: bool, out_path: str) -> None:
+def _worker(
+    rank: int, world: int, cp: int, seq: int, warmup: int, steps: int, profile_step: bool, shape: dict[str, Any], out_path: str
+) -> None:
     import torch.distributed as dist
 
-    model, mesh = build_parallel_model(cp, seq)
-    batch = make_batch(cp, seq, mesh)
+    model, mesh = build_parallel_model(cp, seq, shape)
+    batch = make_batch(cp, seq, mesh, shape)
 
     def step() -> tuple[float, float, float]:
         model.zero_grad(set_to_none=True)
@@ -75,21 +76,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--out-name", default="cp_step", help="results file stem under benchmarks/results")
+    parser.add_argument("--out-name", default="cp_step", help="results file stem (in --results-dir)")
+    _report.add_arguments(parser)
     args = parser.parse_args()
+    shape = WIDE_SHAPE
+    if args.smoke:
+        args.seq, args.rounds, args.warmup, args.steps, shape = 128, 1, 0, 1, SMOKE_SHAPE
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from qwen35_accel.local_world import run_local_world
 
     configs = (1, args.cp)
-    load = os.getloadavg()
+    run = _report.Run()
     rounds: list[dict[int, list[dict]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             this_round = {}
             for cp in configs:
                 path = os.path.join(tmp, f"r{r}_cp{cp}.json")
-                run_local_world(_worker, cp, cp, args.seq, args.warmup, args.steps, r == args.rounds - 1, path, threads_per_rank=1)
+                run_local_world(
+                    _worker, cp, cp, args.seq, args.warmup, args.steps, r == args.rounds - 1, shape, path, threads_per_rank=1
+                )
                 this_round[cp] = json.loads(Path(path).read_text())
             rounds.append(this_round)
 
@@ -102,7 +109,7 @@ def main() -> None:
     lines = [
         (
             f"seq {args.seq} tokens, batch 1, forward + backward, 1 thread per rank, {args.rounds} rounds x "
-            f"(cp 1 world, cp {args.cp} world), {args.warmup} warmup + {args.steps} timed steps per world; {shape_note()}.\n"
+            f"(cp 1 world, cp {args.cp} world), {args.warmup} warmup + {args.steps} timed steps per world; {shape_note(shape)}.\n"
         ),
         "| config | rank | median step (s) | median CPU time / wall time | timed steps | loss |",
         "|---|---|---|---|---|---|",
@@ -167,17 +174,13 @@ def main() -> None:
         "indexing in Transformers' CPU reference GatedDeltaNet kernel and grows with the square of the per-rank sequence.)"
     )
     lines.append(
-        f"\nLoad average (1 min) before / after the run: {load[0]:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores. "
-        "CPU time / wall time well below 1 means a rank waited (collectives) or was starved of a core."
+        "\nCPU time / wall time well below 1 means a rank waited (collectives) or was starved of a core; the load average "
+        "before / after the run is in the header."
     )
     table = "\n".join(lines)
     print(table)
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/cp_step.py " + " ".join(sys.argv[1:])
-    (RESULTS / f"{args.out_name}.md").write_text(
-        f"# Step time per rank: cp {args.cp} vs cp 1\n\nCommand: `{command.strip()}`\n\nMachine: {machine_note()}.\n\n{table}\n"
-    )
+    run.write(_report.results_dir(args), f"{args.out_name}.md", f"Step time per rank: cp {args.cp} vs cp 1", table)
 
 
 if __name__ == "__main__":

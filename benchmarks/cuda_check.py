@@ -1,6 +1,6 @@
 """CUDA checks of the context-parallel path, for a machine with one GPU.
 
-    python benchmarks/cuda_check.py [--device cuda] [--out DIR]
+    python benchmarks/cuda_check.py [--device cuda] [--out DIR] [--smoke]
 
 One GPU cannot host a 2-rank NCCL group, so the 2-rank checks use gloo with CUDA tensors
 (both ranks on the same GPU): that exercises the device handling of every CP op (no
@@ -16,7 +16,10 @@ Checks:
    gloo's CUDA collective coverage decides whether it runs);
 5. tensor parallelism through `PARALLELIZER.apply` on the GPU (tp 2, and cp 2 x tp 2 on
    4 ranks), fp32: loss and every gathered gradient against the single-process model.
-Writes `cuda_check.json` (all numbers) to --out and prints a summary.
+Writes `cuda_check.json` (all numbers, and under "run" the date, versions, machine and load
+average before / after) to --out and prints a summary. `--smoke` (tiny shapes; `--device cpu`
+on a machine without a GPU) runs checks 1-4 and tp 2 in one 2-rank world, leaves out the
+4-rank one, and writes nothing unless --out or --results-dir is given.
 """
 
 from __future__ import annotations
@@ -24,10 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
+
+import _report
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -55,14 +62,14 @@ def check_environment(device: str) -> dict:
     return info
 
 
-def check_ops(device: str) -> dict:
+def check_ops(device: str, smoke: bool = False) -> dict:
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     from qwen35_accel.ops.gated_delta import chunk_summary, fold_states, read_state
 
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cpu").manual_seed(0)
-    b, seq, hk, hv, dk, dv = 1, 2048, 4, 8, 128, 128
+    b, seq, hk, hv, dk, dv = (1, 512, 2, 4, 32, 32) if smoke else (1, 2048, 4, 8, 128, 128)
     q = torch.randn(b, seq, hk, dk, generator=gen)
     k = torch.randn(b, seq, hk, dk, generator=gen)
     v = torch.randn(b, seq, hv, dv, generator=gen)
@@ -84,7 +91,7 @@ def check_ops(device: str) -> dict:
     return result
 
 
-def check_attention_memory(device: str) -> dict:
+def check_attention_memory(device: str, smoke: bool = False) -> dict:
     """Peak memory of one CP query chunk's attention (forward + backward), bf16: the
     lower-right causal SDPA qwen35_accel uses vs an explicit [chunk, keys] boolean mask."""
     if device != "cuda":
@@ -92,7 +99,7 @@ def check_attention_memory(device: str) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    b, h, hkv, chunk, keys, d = 1, 16, 4, 8192, 32768, 128
+    b, h, hkv, chunk, keys, d = (1, 4, 2, 256, 1024, 64) if smoke else (1, 16, 4, 8192, 32768, 128)
     q = torch.randn(b, h, chunk, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(b, hkv, keys, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(b, hkv, keys, d, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -115,7 +122,7 @@ def check_attention_memory(device: str) -> dict:
     return result
 
 
-def _model_worker(rank: int, world: int, device: str, out_dir: str) -> None:
+def _model_worker(rank: int, world: int, device: str, out_dir: str, smoke: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -130,12 +137,11 @@ def _model_worker(rank: int, world: int, device: str, out_dir: str) -> None:
         torch.cuda.set_device(0)
     results: dict = {}
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))  # gloo group; tensors live on `device`
-    for name, dtype, seq, shape in (
-        ("fp32_seq256", torch.float32, 256, {}),
-        ("bf16_seq8192", torch.bfloat16, 8192, dict(hidden_size=256, linear_num_value_heads=8, linear_num_key_heads=4,
-                                                    linear_key_head_dim=64, linear_value_head_dim=64, head_dim=64,
-                                                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)),
-    ):
+    wide = dict(hidden_size=256, linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
+                linear_value_head_dim=64, head_dim=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
+    cases = (("fp32_seq64", torch.float32, 64, {}), ("bf16_seq256", torch.bfloat16, 256, {})) if smoke else (
+        ("fp32_seq256", torch.float32, 256, {}), ("bf16_seq8192", torch.bfloat16, 8192, wide))
+    for name, dtype, seq, shape in cases:
         reference = build_tiny_causal_lm(seed=0, dtype=dtype, **shape).to(device)
         model = build_tiny_causal_lm(seed=0, dtype=dtype, **shape).to(device)
         install_fp32_gate(model)
@@ -165,7 +171,7 @@ def _model_worker(rank: int, world: int, device: str, out_dir: str) -> None:
             json.dump(results, f)
 
 
-def _fsdp_worker(rank: int, world: int, device: str, out_dir: str) -> None:
+def _fsdp_worker(rank: int, world: int, device: str, out_dir: str, smoke: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from qwen35_accel import PARALLELIZER
@@ -177,7 +183,7 @@ def _fsdp_worker(rank: int, world: int, device: str, out_dir: str) -> None:
     mesh = init_device_mesh(device, (1, world), mesh_dim_names=("dp_shard", "cp"))
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0).to(device), mesh)
-    batch = {k: v.to(device) for k, v in random_batch(1, 256, model.config.vocab_size, seed=1).items()}
+    batch = {k: v.to(device) for k, v in random_batch(1, 64 if smoke else 256, model.config.vocab_size, seed=1).items()}
     loss = model(**shard_batch(batch, mesh["cp"])).loss
     loss.backward()
     if rank == 0:
@@ -185,7 +191,7 @@ def _fsdp_worker(rank: int, world: int, device: str, out_dir: str) -> None:
             json.dump({"loss": loss.item()}, f)
 
 
-def _tp_worker(rank: int, world: int, device: str, out_dir: str) -> None:
+def _tp_worker(rank: int, world: int, device: str, out_dir: str, smoke: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -203,7 +209,7 @@ def _tp_worker(rank: int, world: int, device: str, out_dir: str) -> None:
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     reference = build_tiny_causal_lm(seed=0).to(device)
     model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0).to(device), mesh)
-    batch = {k: v.to(device) for k, v in random_batch(2, 256, reference.config.vocab_size, seed=1).items()}
+    batch = {k: v.to(device) for k, v in random_batch(2, 64 if smoke else 256, reference.config.vocab_size, seed=1).items()}
     ref = reference(**batch)
     ref.loss.backward()
     out = model(**(shard_batch(batch, mesh["cp"]) if cp > 1 else batch))
@@ -222,21 +228,44 @@ def _tp_worker(rank: int, world: int, device: str, out_dir: str) -> None:
                        "max_grad_rel_err": worst, "grad_devices": sorted(devices)}, f)
 
 
+def _smoke_worker(rank: int, world: int, device: str, out_dir: str, smoke: bool) -> None:
+    """--smoke: the 2-rank checks (CP model, FSDP2 + CP, TP 2) in one world."""
+    for worker in (_model_worker, _fsdp_worker, _tp_worker):
+        worker(rank, world, device, out_dir, smoke)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--out", type=Path, default=os.environ.get("OUT"),
+                        help="where cuda_check.json goes (default: $OUT, else --results-dir, else the current folder)")
+    _report.add_arguments(parser)
     args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    out = args.out if args.out is not None else args.results_dir if args.results_dir is not None else None if args.smoke else Path(".")
+    with tempfile.TemporaryDirectory() as tmp:
+        _checks(args.device, args.smoke, out, Path(tmp))
+
+
+def _checks(device: str, smoke: bool, out: Path | None, scratch: Path) -> None:
+    """Run every check, print each result; write cuda_check.json to `out` (None: nowhere)."""
     from qwen35_accel.local_world import run_local_world
 
-    report: dict = {"environment": check_environment(args.device)}
-    for name, fn in (("ops", lambda: check_ops(args.device)),
-                     ("attention_memory", lambda: check_attention_memory(args.device)),
-                     ("model_cp2", lambda: run_local_world(_model_worker, 2, args.device, args.out, threads_per_rank=4)),
-                     ("fsdp2_cp2", lambda: run_local_world(_fsdp_worker, 2, args.device, args.out, threads_per_rank=4)),
-                     ("tp2", lambda: run_local_world(_tp_worker, 2, args.device, args.out, threads_per_rank=4)),
-                     ("cp2xtp2", lambda: run_local_world(_tp_worker, 4, args.device, args.out, threads_per_rank=2))):
+    run = _report.Run()
+    work = str(scratch)  # the workers' own json files
+    # A smoke run spawns one world (starting a world costs more than these checks): the 2-rank checks
+    # run one after the other in it, and cp2xtp2 (4 ranks) is left out.
+    skipped = {"skipped": "--smoke: ran in model_cp2's world"} if smoke else None
+    report: dict = {"environment": check_environment(device)}
+    for name, fn in (("ops", lambda: check_ops(device, smoke)),
+                     ("attention_memory", lambda: check_attention_memory(device, smoke)),
+                     ("model_cp2", lambda: run_local_world(_smoke_worker if smoke else _model_worker, 2, device, work, smoke,
+                                                           threads_per_rank=4)),
+                     ("fsdp2_cp2", lambda: skipped or run_local_world(_fsdp_worker, 2, device, work, smoke, threads_per_rank=4)),
+                     ("tp2", lambda: skipped or run_local_world(_tp_worker, 2, device, work, smoke, threads_per_rank=4)),
+                     ("cp2xtp2", lambda: (smoke and {"skipped": "--smoke: 4 ranks"}) or run_local_world(
+                         _tp_worker, 4, device, work, smoke, threads_per_rank=2))):
         started = time.perf_counter()
         try:
             value = fn()
@@ -246,12 +275,15 @@ def main() -> None:
         report[f"{name}_seconds"] = round(time.perf_counter() - started, 1)
         print(name, json.dumps(report[name])[:1500], flush=True)
     for extra in ("model_check.json", "fsdp_check.json", "tp_check_world2.json", "tp_check_world4.json"):
-        path = os.path.join(args.out, extra)
-        if os.path.exists(path):
-            report[extra] = json.load(open(path))
-    with open(os.path.join(args.out, "cuda_check.json"), "w") as f:
-        json.dump(report, f, indent=2)
+        path = scratch / extra
+        if path.exists():
+            report[extra] = json.loads(path.read_text())
     print(json.dumps(report, indent=2)[:6000])
+    if out is not None:
+        report["run"] = run.fields()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "cuda_check.json").write_text(json.dumps(report, indent=2))
+        print(f"\nwrote {out / 'cuda_check.json'}")
 
 
 if __name__ == "__main__":

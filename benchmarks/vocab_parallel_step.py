@@ -1,6 +1,6 @@
 """lm_head + loss under tensor parallelism: time and activation memory per rank.
 
-    python benchmarks/vocab_parallel_step.py [--tp 2] [--seq 512] [--vocab 65536] [--steps 6]
+    python benchmarks/vocab_parallel_step.py [--tp 2] [--seq 512] [--vocab 65536] [--steps 6] [--smoke]
 
 - ours: `apply_vocab_parallel_lm_head`: each rank computes the logits of its vocab / tp
   entries and `VocabParallelCausalLMLoss` combines them (three [tokens] all-reduces);
@@ -10,7 +10,8 @@
 Both live in the same tp ranks (gloo, 1 thread each) and their steps alternate; forward +
 backward of lm_head and loss on [1, seq, hidden] hidden states. Activation memory is the
 bytes of tensors saved for backward (deduplicated by storage; parameters not counted). Prints a markdown table
-with the medians and the ratios ours / full-vocab.
+with the medians and the ratios ours / full-vocab, and writes it to
+`benchmarks/results/vocab_parallel_step.md`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import tempfile
 import time
 
 import torch
+
+import _report
 
 HIDDEN = 256
 
@@ -43,7 +46,7 @@ def _saved_bytes(fn, params) -> int:
     return sum(seen.values())
 
 
-def _worker(rank: int, world: int, seq: int, vocab: int, steps: int, path: str) -> None:
+def _worker(rank: int, world: int, seq: int, vocab: int, hidden_size: int, steps: int, path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -51,12 +54,12 @@ def _worker(rank: int, world: int, seq: int, vocab: int, steps: int, path: str) 
     from qwen35_accel.parallel.tensor_parallel import apply_vocab_parallel_lm_head
     from qwen35_accel.tiny import build_tiny_causal_lm
 
-    shape = dict(hidden_size=HIDDEN, vocab_size=vocab, num_hidden_layers=1, layer_types=["linear_attention"])
+    shape = dict(hidden_size=hidden_size, vocab_size=vocab, num_hidden_layers=1, layer_types=["linear_attention"])
     ours = build_tiny_causal_lm(seed=0, **shape)
     apply_vocab_parallel_lm_head(ours, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
     full = build_tiny_causal_lm(seed=0, **shape)
     generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(1, seq, HIDDEN, generator=generator)
+    hidden = torch.randn(1, seq, hidden_size, generator=generator)
     labels = torch.randint(0, vocab, (1, seq), generator=generator)
     runs = {
         "ours": lambda x: ours.loss_function(ours.lm_head(x), labels, vocab),
@@ -89,26 +92,38 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=65536)
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
     parser.add_argument("--steps", type=int, default=6)
+    _report.add_arguments(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.seq, args.vocab, args.hidden, args.steps = 32, 512, 32, 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from qwen35_accel.local_world import run_local_world
 
-    path = os.path.join(tempfile.mkdtemp(), "vocab_parallel_step.json")
-    run_local_world(_worker, args.tp, args.seq, args.vocab, args.steps, path, threads_per_rank=1)
-    result = json.load(open(path))
+    run = _report.Run()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "vocab_parallel_step.json")
+        run_local_world(_worker, args.tp, args.seq, args.vocab, args.hidden, args.steps, path, threads_per_rank=1)
+        with open(path) as f:
+            result = json.load(f)
     t = result["times"]
     ours_t, full_t = (statistics.median(t[k]) for k in ("ours", "full_vocab"))
     paired = statistics.median(a / b for a, b in zip(t["ours"], t["full_vocab"]))
     mem, losses = result["memory"], result["losses"]
-    print(f"lm_head + loss, tp {args.tp}, seq {args.seq}, hidden {HIDDEN}, vocab {args.vocab}; "
-          f"loss ours {losses['ours']:.6f}, full vocab {losses['full_vocab']:.6f}")
-    print()
-    print("| per rank | ours (vocab-parallel) | full-vocab logits (lower bound) | ratio |")
-    print("|---|---|---|---|")
-    print(f"| step time, median | {ours_t * 1e3:.1f} ms | {full_t * 1e3:.1f} ms | {paired:.2f} (median of paired steps) |")
-    print(f"| activation memory | {mem['ours'] / 2**20:.1f} MiB | {mem['full_vocab'] / 2**20:.1f} MiB | "
-          f"{mem['ours'] / mem['full_vocab']:.2f} |")
+    table = "\n".join([
+        f"lm_head + loss, tp {args.tp}, seq {args.seq}, hidden {args.hidden}, vocab {args.vocab}, {args.steps} timed steps each "
+        f"(alternating); loss ours {losses['ours']:.6f}, full vocab {losses['full_vocab']:.6f} "
+        f"(relative difference {abs(losses['ours'] - losses['full_vocab']) / abs(losses['full_vocab']):.1e})\n",
+        "| per rank | ours (vocab-parallel) | full-vocab logits (lower bound) | ratio |",
+        "|---|---|---|---|",
+        f"| step time, median | {ours_t * 1e3:.1f} ms | {full_t * 1e3:.1f} ms | {paired:.2f} (median of paired steps) |",
+        f"| activation memory | {mem['ours'] / 2**20:.1f} MiB | {mem['full_vocab'] / 2**20:.1f} MiB | "
+        f"{mem['ours'] / mem['full_vocab']:.2f} |",
+    ])
+    print(table)
+    run.write(_report.results_dir(args), "vocab_parallel_step.md", "Vocab-parallel lm_head + loss: time and activation memory per rank", table)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,170 @@
+"""Every benchmark runs: `python benchmarks/X.py --smoke` (tiny shapes, one or two steps).
+
+Each script runs as a subprocess from the repository root, as a reader of the README would
+run it, with a hard timeout. A smoke run writes no results file (benchmarks/results stays
+as it is) unless given --results-dir, which two of the tests use to check the results
+header (date, versions, load) and that fsdp_step.py appends a run instead of overwriting.
+The full runs are not tests: they take minutes and their numbers are committed under
+benchmarks/results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+TIMEOUT_S = 180
+
+pytestmark = pytest.mark.multiprocess  # every script spawns local gloo worlds
+
+
+def _snapshot() -> dict[str, int]:
+    """What a smoke run must not touch: benchmarks/results and a stray cuda_check.json in the root."""
+    files = [p for p in RESULTS.iterdir() if p.is_file()] + [ROOT / "cuda_check.json"]
+    return {str(p): p.stat().st_mtime_ns for p in files if p.exists()}
+
+
+def _smoke(script: str, *extra: str) -> str:
+    """Run benchmarks/<script> --smoke; return its stdout (the test fails with the output's tail)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
+    before = _snapshot()
+    try:
+        proc = subprocess.run(
+            [sys.executable, f"benchmarks/{script}", "--smoke", *extra],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"{script} --smoke ran past {TIMEOUT_S} s\n--- stdout tail\n{out[-3000:]}\n--- stderr tail\n{err[-3000:]}")
+    tail = f"--- stdout tail\n{proc.stdout[-3000:]}\n--- stderr tail\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{script} --smoke exited {proc.returncode}\n{tail}"
+    if "--results-dir" not in extra:
+        assert _snapshot() == before, f"{script} --smoke wrote results files\n{tail}"
+        assert "\nwrote " not in proc.stdout, tail
+    return proc.stdout
+
+
+def _table_rows(stdout: str, header_start: str) -> list[list[str]]:
+    """Cells of the markdown table whose header row starts with `header_start`."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _bold_ratio(stdout: str, label: str) -> float:
+    match = re.search(rf"\*\*{re.escape(label)}: ([0-9.]+)\*\*", stdout)
+    assert match, f"no '{label}' in the output:\n{stdout[-3000:]}"
+    return float(match.group(1))
+
+
+def _assert_header(text: str) -> None:
+    for field in ("- Command: `python benchmarks/", "- Date: ", "- Versions: torch ", "transformers ", "accelerate ",
+                  "- Machine: ", "- Load average (1 / 5 / 15 min): before: ", "; after: "):
+        assert field in text, f"results header lacks {field!r}:\n{text[:2000]}"
+
+
+def test_gate_precision_smoke(tmp_path):
+    stdout = _smoke("gate_precision.py", "--seeds", "0", "1", "--results-dir", str(tmp_path))
+    rows = _table_rows(stdout, "| seed | approach |")
+    assert [r[0] for r in rows] == ["0", "0", "1", "1"], stdout
+    for seed, approach, g, decay, out in rows:
+        if approach.startswith("qwen35_accel"):
+            assert float(g) == 0.0 and float(decay) == 0.0, stdout  # the fp32 gate unit is exact
+        else:
+            assert 0 < float(g) < 0.05, stdout  # bf16 A_log / dt_bias: off, but by a bf16 rounding
+        assert math.isfinite(float(out)), stdout
+    assert len(_table_rows(stdout, "| approach |")) == 2, stdout  # the spread over seeds
+    written = (tmp_path / "gate_precision.md").read_text()
+    _assert_header(written)
+    assert "| seed | approach |" in written
+
+
+def test_fsdp_step_smoke_appends_a_run(tmp_path):
+    (tmp_path / "fsdp_step.md").write_text("# Training step time\n\nan earlier run\n")
+    stdout = _smoke("fsdp_step.py", "--results-dir", str(tmp_path))
+    rows = _table_rows(stdout, "| wrap |")
+    assert [r[0] for r in rows] == ["qwen35_accel", "qwen35_accel (model holder unit)", "baseline", "baseline, same schedule"]
+    for _, median_ms, to_baseline, to_same_schedule in rows:
+        assert float(median_ms) > 0 and math.isfinite(float(to_baseline)) and math.isfinite(float(to_same_schedule)), stdout
+    assert rows[2][2] == "1.000" and rows[3][3] == "1.000", stdout  # each baseline against itself
+    written = (tmp_path / "fsdp_step.md").read_text()
+    assert written.startswith("# Training step time\n\nan earlier run\n\n## Run "), written[:500]
+    _assert_header(written)
+
+
+def _ratio_table(stdout: str) -> dict[str, float]:
+    """tp_step / vocab_parallel_step: {row label: ratio}."""
+    return {r[0]: float(r[3].split()[0]) for r in _table_rows(stdout, "| per rank |")}
+
+
+def test_tp_step_smoke():
+    ratios = _ratio_table(_smoke("tp_step.py"))
+    assert math.isfinite(ratios["step time, median"]) and ratios["step time, median"] > 0
+    assert 0.3 < ratios["activation memory"] < 0.8  # each rank holds half the heads
+
+
+def test_vocab_parallel_step_smoke():
+    stdout = _smoke("vocab_parallel_step.py")
+    ratios = _ratio_table(stdout)
+    assert math.isfinite(ratios["step time, median"]) and ratios["step time, median"] > 0
+    assert 0.3 < ratios["activation memory"] < 0.8, stdout
+    relative = float(re.search(r"relative difference ([0-9.e+-]+)\)", stdout).group(1))
+    assert relative < 1e-5, stdout  # the same loss
+
+
+def test_cp_comm_smoke():
+    stdout = _smoke("cp_comm.py")
+    measured = _table_rows(stdout, "| seq | ours fwd | ours bwd | all-gather fwd |")
+    assert [r[0] for r in measured] == ["32", "64"] and all(r[5] == "yes" for r in measured), stdout
+    assert "FORMULA MISMATCH" not in stdout
+    computed = _table_rows(stdout, "| seq | ours fwd | ours bwd | ours fwd + bwd |")
+    assert computed[0][0] == "1024" and computed[-1][0] == "131072", stdout
+    assert all(math.isfinite(float(r[-1])) for r in computed), stdout
+
+
+def test_cp_memory_smoke():
+    stdout = _smoke("cp_memory.py")
+    ratio = _bold_ratio(stdout, "Activation memory per rank, cp 2 / cp 1 (worst rank)")
+    assert 0.3 < ratio < 1.0, stdout
+    losses = {r[-1] for r in _table_rows(stdout, "| config | rank | local tokens |")}
+    assert len(losses) <= 2 and max(map(float, losses)) - min(map(float, losses)) < 1e-4, stdout
+
+
+def test_cp_step_smoke():
+    stdout = _smoke("cp_step.py")
+    ratio = _bold_ratio(stdout, "Step time per rank, cp 2 / cp 1 (medians)")
+    assert math.isfinite(ratio) and ratio > 0, stdout
+    rows = _table_rows(stdout, "| config | rank | median step (s) |")
+    losses = [float(r[-1]) for r in rows if r[-1]]
+    assert len(losses) == 3 and max(losses) - min(losses) < 1e-4, stdout  # cp 1 rank 0, cp 2 ranks 0 and 1
+
+
+def test_cuda_check_cpu_smoke():
+    stdout = _smoke("cuda_check.py", "--device", "cpu")
+    results = {}
+    for line in stdout.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("ops", "attention_memory", "model_cp2", "fsdp2_cp2", "tp2", "cp2xtp2"):
+            results[name] = json.loads(value)
+    assert results["ops"]["fp32"]["output_rel_err"] < 1e-5, stdout
+    assert results["model_cp2"] == "ok", stdout  # with --smoke: the CP model, FSDP2 + CP and TP 2 checks
+    assert results["attention_memory"] == {"skipped": "needs CUDA"}, stdout
+    report = json.loads(stdout[stdout.index("\n{") + 1:])  # the whole report, printed last
+    assert report["model_check.json"]["fp32_seq64"]["loss_rel_err"] < 1e-5, stdout
+    assert math.isfinite(report["fsdp_check.json"]["loss"]), stdout
+    assert report["tp_check_world2.json"]["max_grad_rel_err"] < 1e-4, stdout

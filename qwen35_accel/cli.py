@@ -325,7 +325,7 @@ def env() -> dict[str, Any]:
         settings = f"invalid: {exc}"
     import accelerate  # noqa: F401  (the autoload patches on this import)
 
-    from .integrations.accelerate import status
+    from .integrations.patches import status
 
     return {
         "qwen35_accel": __version__,

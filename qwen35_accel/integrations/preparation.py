@@ -1,0 +1,213 @@
+"""Preparation patch points: Accelerate's FSDP2, TP and CP preparation of a dense Qwen3.5 model.
+
+`prepare_fsdp2` installs the fp32 gate holders before Accelerate records parameter names;
+`fsdp2_prepare_model` hands the wrap to `PARALLELIZER.apply` with the FSDP plugin's
+settings and the accelerator's mesh (`prepare_qwen35_fsdp2`); `fsdp2_apply_ac` steps
+aside (the parallelizer checkpoints each decoder layer); `prepare_tp` / `prepare_cp` skip
+Accelerate's own TP and CP paths, which the parallelizer replaces.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .cpu_backend import main_process_note
+from .settings import PluginSettings
+from .targets import is_dense_qwen35_module, the_model
+
+logger = logging.getLogger(__name__)
+
+def prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any) -> Any:
+        model = the_model(args)
+        if model is not None and is_dense_qwen35_module(model):
+            from ..model.fp32_gate import install_fp32_gate
+
+            from .patches import install
+
+            install()  # the deferred points (transformers.trainer is imported by now if a Trainer runs)
+
+            # Before Accelerate records parameter names for the optimizer mapping; the
+            # Parameter objects themselves are kept, so the optimizer stays valid.
+            install_fp32_gate(model)
+            _present_layer_classes_only(self.state.fsdp_plugin, model)
+        result = original(self, *args)
+        if model is not None and getattr(model, "_qwen35_accel_prepared", False):
+            _register_tensor_parallel_optimizers(model, result if isinstance(result, (tuple, list)) else (result,))
+        return result
+
+    return wrapper
+
+
+def _register_tensor_parallel_optimizers(model: nn.Module, prepared: tuple[Any, ...]) -> None:
+    """Under TP, checkpoints (Accelerate's save_state, the Trainer's) must see each
+    optimizer's state in Transformers' layout, as the model's."""
+    from ..parallel.tensor_parallel import register_optimizer_state_layout, tensor_parallel_group
+
+    if tensor_parallel_group(model) is None:
+        return
+    for obj in prepared:
+        optimizer = getattr(obj, "optimizer", obj)  # AcceleratedOptimizer wraps the torch one
+        if isinstance(optimizer, torch.optim.Optimizer):
+            register_optimizer_state_layout(model, optimizer)
+
+
+def _present_layer_classes_only(plugin: Any, model: nn.Module) -> None:
+    """Transformers lists `Qwen3_5VisionBlock` in `_no_split_modules` of the text-only
+    model too; Accelerate's TRANSFORMER_BASED_WRAP then fails to find it. Our units do
+    not use the wrap policy, so restrict the defaults to classes the model has."""
+    if getattr(plugin, "transformer_cls_names_to_wrap", None) is None:
+        present = {type(m).__name__ for m in model.modules()}
+        names = [n for n in getattr(model, "_no_split_modules", None) or [] if n in present]
+        if names:
+            plugin.transformer_cls_names_to_wrap = names
+
+
+def fsdp2_apply_ac(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(accelerator: Any, model: nn.Module) -> nn.Module:
+        if is_dense_qwen35_module(model):
+            return model  # fsdp2_prepare_model -> PARALLELIZER.apply(activation_checkpointing=True)
+        return original(accelerator, model)
+
+    return wrapper
+
+
+def _fsdp_mesh(accelerator: Any) -> Any:
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is not None:
+        return mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = accelerator.device.type
+    return init_device_mesh(device_type, (torch.distributed.get_world_size(),), mesh_dim_names=("dp_shard_cp",))
+
+
+def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
+    """Accelerate's `fsdp2_prepare_model`, for a dense Qwen3.5 model: our parallelizer.
+
+    Follows Accelerate where it decides things for every model: trainable parameters are
+    upcast to fp32 when `mixed_precision != "no"` (the gate holders are fp32 anyway);
+    with `cpu_ram_efficient_loading`, rank 0's weights are broadcast into the sharded
+    model after sharding on the meta device.
+    """
+    from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict, get_non_persistent_buffers
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+
+    from ..parallelization import PARALLELIZER, mesh_dim_size
+
+    if isinstance(model, FSDPModule):
+        return model
+    settings = PluginSettings.from_env()
+    plugin = accelerator.state.fsdp_plugin
+    if accelerator.mixed_precision != "no":
+        for param in model.parameters():
+            if param.requires_grad and param.dtype != torch.float32:
+                param.data = param.data.to(torch.float32)
+
+    ram_efficient = bool(plugin.cpu_ram_efficient_loading)
+    mesh = _fsdp_mesh(accelerator)
+    offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    tensor_parallel = mesh_dim_size(mesh, "tp") > 1
+    if ram_efficient and tensor_parallel and offload:
+        raise NotImplementedError(
+            "fsdp_cpu_ram_efficient_loading with tensor parallelism and fsdp_offload_params is not supported for "
+            "Qwen3.5; turn one of them off"
+        )
+    if ram_efficient:
+        original_sd = model.state_dict()
+        buffer_fqns = get_non_persistent_buffers(model, recurse=True, fqns=True)
+        non_persistent = {k: v.clone() for k, v in model.named_buffers() if k in buffer_fqns}
+        model = model.to(torch.device("meta"))
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+
+    PARALLELIZER.apply(
+        model,
+        mesh,
+        "dp_shard_cp",
+        mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        offload_policy=plugin.cpu_offload,
+        activation_checkpointing=bool(plugin.activation_checkpointing),
+        reshard_after_forward=plugin.reshard_after_forward,
+        enable_fsdp2_prefetch=settings.fsdp2_prefetch,
+        fsdp2_backward_prefetch_depth=settings.fsdp2_backward_prefetch_depth,
+        fsdp2_forward_prefetch_depth=settings.fsdp2_forward_prefetch_depth,
+        frozen_multimodal_sharding=settings.frozen_multimodal_sharding,  # type: ignore[arg-type]
+        fp32_holder_units=settings.fp32_holder_units,  # type: ignore[arg-type]
+        vocab_parallel_lm_head=settings.vocab_parallel_lm_head,
+    )
+
+    if ram_efficient:
+        if tensor_parallel:
+            # Accelerate's loader copies full tensors into the per-head slices; ours
+            # broadcasts rank 0's weights and each rank keeps its slice of its shard.
+            from ..parallel.tensor_parallel import load_full_state_dict
+
+            model.to_empty(device=accelerator.device)
+            load_full_state_dict(model, original_sd if accelerator.is_main_process else None)
+        else:
+            fsdp2_load_full_state_dict(accelerator, model, original_sd, cpu_offload=offload)
+        for fqn, buffer in non_persistent.items():
+            parent, _, name = fqn.rpartition(".")
+            (model.get_submodule(parent) if parent else model).register_buffer(name, buffer.to(accelerator.device), persistent=False)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+
+    model._qwen35_accel_prepared = True
+    cp = mesh_dim_size(mesh, "cp")
+    main_process_note(
+        f"{type(model).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
+        f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
+        f"activation checkpointing={bool(plugin.activation_checkpointing)}"
+    )
+    return model
+
+
+def fsdp2_prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(accelerator: Any, model: nn.Module) -> nn.Module:
+        if is_dense_qwen35_module(model):
+            return prepare_qwen35_fsdp2(accelerator, model)
+        return original(accelerator, model)
+
+    return wrapper
+
+
+def prepare_tp(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any) -> Any:
+        model = the_model(args)
+        if model is not None and is_dense_qwen35_module(model):
+            if not self.is_fsdp2:
+                raise ValueError("tensor parallelism for Qwen3.5 runs with FSDP2 (fsdp_version: 2 in the config)")
+            # Accelerate's TP path expects Transformers to have sharded the model at load
+            # time; ours splits it by heads in PARALLELIZER.apply (mesh dim "tp") during
+            # the FSDP2 preparation that follows.
+            return args
+        return original(self, *args)
+
+    return wrapper
+
+
+def prepare_cp(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any) -> Any:
+        model = the_model(args)
+        if model is not None and is_dense_qwen35_module(model):
+            if not self.is_fsdp2:
+                raise ValueError("context parallelism for Qwen3.5 needs FSDP2 (fsdp_version: 2 in the config)")
+            # The CP layers are installed by PARALLELIZER.apply (mesh dim "cp") during the
+            # FSDP2 preparation that follows; here only the per-step context changes.
+            self._qwen35_cp_mesh = self.torch_device_mesh["cp"]
+            return args
+        return original(self, *args)
+
+    return wrapper

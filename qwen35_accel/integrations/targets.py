@@ -1,0 +1,27 @@
+"""Which prepared objects the patch points act on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def is_dense_qwen35_module(model: Any) -> bool:
+    """A module the plugin takes over (dense Qwen3.5); anything else keeps Accelerate's path."""
+    from ..model.detect import is_dense_qwen35
+
+    return isinstance(model, nn.Module) and is_dense_qwen35(model)
+
+
+def the_model(args: tuple[Any, ...]) -> nn.Module | None:
+    """The one module among a prepare call's arguments, or None for zero or several."""
+    models = [a for a in args if isinstance(a, nn.Module)]
+    return models[0] if len(models) == 1 else None
+
+
+def is_tensor_parallel_qwen35(model: Any) -> bool:
+    """A model prepared by the plugin with a tp group."""
+    from ..parallel.tensor_parallel import tensor_parallel_group
+
+    return getattr(model, "_qwen35_accel_prepared", False) and tensor_parallel_group(model) is not None

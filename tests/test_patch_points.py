@@ -1,0 +1,28 @@
+"""The README's patch-point table is the registry's, row for row."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from qwen35_accel.integrations.patches import PATCH_POINTS
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_targets() -> list[str]:
+    text = README.read_text()
+    table = text[text.index("| target | for a dense Qwen3.5 model |"):]
+    table = table[: table.index("\n\n")]
+    return re.findall(r"^\| `([^`]+)` \|", table, flags=re.MULTILINE)
+
+
+def test_readme_lists_every_patch_point_and_no_other():
+    assert _readme_targets() == [point.target for point in PATCH_POINTS]
+
+
+def test_every_patch_point_declares_a_guard_and_a_wrapper_of_its_own():
+    assert len({point.target for point in PATCH_POINTS}) == len(PATCH_POINTS)
+    for point in PATCH_POINTS:
+        assert point.guard.package == point.module.split(".")[0], point.target
+        assert callable(point.wrap) and point.purpose, point.target

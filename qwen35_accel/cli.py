@@ -75,12 +75,11 @@ def _shard_rows(rows: int, shards: int) -> list[int]:
     return [max(0, min(chunk, rows - r * chunk)) for r in range(shards)]
 
 
-def _unit_bytes(group: Any, shards: int, tp_sliced: set[int], tp: int) -> tuple[list[int], int]:
+def _unit_bytes(params: list[Any], shards: int, tp_sliced: set[int], tp: int) -> tuple[list[int], int]:
     """(bytes on each rank of one FSDP shard group, distinct bytes over the whole world)."""
     per_rank = [0] * shards
     distinct = 0
-    for fsdp_param in group.fsdp_params:
-        param = fsdp_param.sharded_param
+    for param in params:
         shape = param.shape
         row = math.prod(shape[1:]) if len(shape) > 1 else 1
         for r, rows in enumerate(_shard_rows(shape[0], shards)):
@@ -91,13 +90,13 @@ def _unit_bytes(group: Any, shards: int, tp_sliced: set[int], tp: int) -> tuple[
 
 
 def _units(model: Any, shards: int, tp: int = 1) -> list[dict[str, Any]]:
-    from .parallel.fsdp import describe_units, fsdp_unit_groups
+    from .parallel.fsdp import describe_units, fsdp_units
     from .parallel.tensor_parallel import tensor_parallel_sliced
 
     tp_sliced = tensor_parallel_sliced(model)
     rows = []
-    for (names, group), row in zip(fsdp_unit_groups(model), describe_units(model)):
-        per_rank, distinct = _unit_bytes(group, shards, tp_sliced, tp)
+    for (names, record), row in zip(fsdp_units(model), describe_units(model)):
+        per_rank, distinct = _unit_bytes(record.parameters(), shards, tp_sliced, tp)
         rows.append({
             "modules": names,
             "storage": row["storage"],
@@ -146,11 +145,11 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
     import torch.distributed as dist
     from accelerate.parallelism_config import ParallelismConfig
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
     from transformers import AutoModelForCausalLM
 
     from .integrations.settings import PluginSettings
     from .parallel.fsdp import describe_prefetch
+    from .parallel.mesh import ParallelDims
     from .parallelization import PARALLELIZER
 
     started = time.perf_counter()
@@ -164,14 +163,13 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
         raise PlanError(f"--seq-len {seq_len} is not divisible by 2*cp = {2 * sizes['cp']}; pass a multiple of it")
 
     if not dist.is_initialized():
-        dist.init_process_group("fake", rank=0, world_size=sizes["world"], store=FakeStore())
-    mesh = ParallelismConfig(
-        dp_replicate_size=sizes["dp_replicate"], dp_shard_size=sizes["dp_shard"], cp_size=sizes["cp"], tp_size=sizes["tp"]
-    ).build_device_mesh("cpu")
-    if mesh is None:  # a 1-process config
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard_cp",))
+        dist.init_process_group("fake", rank=0, world_size=sizes["world"])  # collectives are no-ops
+    mesh = ParallelDims.from_parallelism_config(
+        ParallelismConfig(
+            dp_replicate_size=sizes["dp_replicate"], dp_shard_size=sizes["dp_shard"], cp_size=sizes["cp"], tp_size=sizes["tp"]
+        ),
+        "cpu",
+    ).mesh
 
     storage = getattr(model_config, "dtype", None) or torch.float32
     if isinstance(storage, str):

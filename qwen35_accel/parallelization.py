@@ -9,20 +9,35 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from .model.detect import qwen35_parts
+from .model.detect import Qwen35Parts, qwen35_parts
 from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
 from .parallel.activation_checkpointing import apply_activation_checkpointing
-from .parallel.context_parallel.model import check_context_parallel_supported, install_context_parallel
-from .parallel.fsdp import fp32_compute_policy, fully_shard_by_dtype, set_async_unshard_on_cpu, set_layer_prefetch
-from .parallel.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel_lm_head, check_vocab_parallel
+from .parallel.context_parallel.model import (
+    check_context_parallel_supported,
+    install_context_parallel,
+)
+from .parallel.fsdp import (
+    fp32_compute_policy,
+    fully_shard_by_dtype,
+    set_async_unshard_on_cpu,
+    set_layer_prefetch,
+    shard_unit,
+    unit_record,
+)
+from .parallel.mesh import ParallelDims, mesh_device, mesh_dim_names, mesh_dim_size
+from .parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    apply_vocab_parallel_lm_head,
+    check_vocab_parallel,
+)
 from .parallel.tensor_parallel import check_divisible as check_tp_divisible
 
-__all__ = ["PARALLELIZER"]
+# mesh_dim_names / mesh_dim_size / mesh_device: re-exported from parallel.mesh for existing callers.
+__all__ = ["PARALLELIZER", "Qwen3_5ModelParallelizer", "mesh_device", "mesh_dim_names", "mesh_dim_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,28 +45,6 @@ FrozenMultimodalSharding = Literal["root", "replicate", "shard"]
 FROZEN_MULTIMODAL_SHARDING_CHOICES: tuple[str, ...] = ("root", "replicate", "shard")
 Fp32HolderUnits = Literal["per_layer", "model"]
 FP32_HOLDER_UNITS_CHOICES: tuple[str, ...] = ("per_layer", "model")
-
-
-def mesh_dim_names(mesh: DeviceMesh) -> list[str]:
-    """The names `mesh[name]` accepts: its own dims and the dims flattened from its root."""
-    names = list(mesh.mesh_dim_names or ())
-    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else None
-    for name in getattr(root, "_flatten_mapping", {}) or {}:
-        if name not in names:
-            names.append(name)
-    return names
-
-
-def mesh_dim_size(mesh: DeviceMesh, name: str) -> int:
-    """Size of the named dim; 1 if the mesh has no such dim."""
-    return mesh[name].size() if name in mesh_dim_names(mesh) else 1
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank computes on for `mesh` (its local accelerator, or the CPU)."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -109,30 +102,21 @@ class Qwen3_5ModelParallelizer:
             raise ValueError(f"{type(model).__name__} is already sharded by FSDP2; apply the parallelizer once, to the unsharded model.")
         _check_choice("frozen_multimodal_sharding", frozen_multimodal_sharding, FROZEN_MULTIMODAL_SHARDING_CHOICES)
         _check_choice("fp32_holder_units", fp32_holder_units, FP32_HOLDER_UNITS_CHOICES)
-        names = mesh_dim_names(device_mesh)
-        if dp_shard_cp_mesh_name not in names:
-            raise ValueError(
-                f"device_mesh has no dim named {dp_shard_cp_mesh_name!r} (dims: {names}). Pass the name of the FSDP shard "
-                f"dim as dp_shard_cp_mesh_name, or build the mesh with it (Accelerate's ParallelismConfig names it 'dp_shard_cp')."
-            )
-        tp_size = mesh_dim_size(device_mesh, tp_mesh_name)
+        dims = ParallelDims(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, cp_mesh_name, tp_mesh_name)
+        tp_size, cp_size = dims.tp_size, dims.cp_size
         if tp_size > 1:
             check_tp_divisible(model.config.get_text_config(), tp_size)
             if vocab_parallel_lm_head:
                 check_vocab_parallel(model, tp_size)
-        cp_size = mesh_dim_size(device_mesh, cp_mesh_name)
         if cp_size > 1:
             check_context_parallel_supported(model)
-        if mesh_dim_size(device_mesh, dp_replicate_mesh_name) > 1:
-            fsdp_mesh = device_mesh[(dp_replicate_mesh_name, dp_shard_cp_mesh_name)]
-        else:
-            fsdp_mesh = device_mesh[dp_shard_cp_mesh_name]
+        fsdp_mesh = dims.fsdp
 
         converted = install_fp32_gate(model)
-        if tp_size > 1:
-            apply_tensor_parallel(model, device_mesh[tp_mesh_name])
+        if dims.tp is not None:
+            apply_tensor_parallel(model, dims.tp)
             if vocab_parallel_lm_head:
-                apply_vocab_parallel_lm_head(model, device_mesh[tp_mesh_name])
+                apply_vocab_parallel_lm_head(model, dims.tp)
         if activation_checkpointing:
             apply_activation_checkpointing(parts.decoder_layers)
         self.apply_fsdp_sharding(
@@ -146,9 +130,10 @@ class Qwen3_5ModelParallelizer:
             reshard_after_forward=reshard_after_forward,
             frozen_multimodal_sharding=frozen_multimodal_sharding,
             fp32_holder_units=fp32_holder_units,
+            parts=parts,
         )
-        if cp_size > 1:
-            install_context_parallel(model, device_mesh[cp_mesh_name])
+        if dims.cp is not None:
+            install_context_parallel(model, dims.cp)
         logger.info(
             "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s, "
             "cp: %d, tp: %d)",
@@ -175,6 +160,7 @@ class Qwen3_5ModelParallelizer:
         ignored_multimodal_params: set[nn.Parameter] | None = None,
         *,
         fp32_holder_units: Fp32HolderUnits = "per_layer",
+        parts: Qwen35Parts | None = None,
     ) -> None:
         """Shard a dense Qwen3.5 model into dtype-uniform FSDP2 units, bottom-up.
 
@@ -197,7 +183,7 @@ class Qwen3_5ModelParallelizer:
         layer's compute (gloo, small models).
         """
         _check_choice("fp32_holder_units", fp32_holder_units, FP32_HOLDER_UNITS_CHOICES)
-        parts = qwen35_parts(module)
+        parts = parts or qwen35_parts(module)
         policy = mp_policy or MixedPrecisionPolicy()
         common = dict(
             mesh=mesh,
@@ -216,8 +202,8 @@ class Qwen3_5ModelParallelizer:
                 if name.rsplit(".", 1)[-1] in self.fp32_compute_module_names and any(True for _ in sub.parameters())
             ]
             if holders:  # fully_shard_by_dtype below leaves these (already FSDP) alone
-                fully_shard(holders, mesh=mesh, mp_policy=fp32_compute_policy(policy), reshard_after_forward=False,
-                            offload_policy=offload_policy or OffloadPolicy())
+                shard_unit(holders, mesh=mesh, mp_policy=fp32_compute_policy(policy), reshard_after_forward=False,
+                           offload_policy=offload_policy or OffloadPolicy())
                 shared_holder_unit = holders[0]
 
         layer_units = [
@@ -246,7 +232,7 @@ class Qwen3_5ModelParallelizer:
         tail = [m for m in ((parts.embed_tokens,) if tied else ()) + (parts.final_norm, parts.lm_head) if m is not None]
         tail_dtypes = {p.dtype for m in tail for p in m.parameters() if p.requires_grad}
         if len(tail_dtypes) <= 1:
-            fully_shard(tail, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload_policy or OffloadPolicy())
+            shard_unit(tail, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload_policy or OffloadPolicy())
         elif not tied:  # e.g. an fp32 final norm beside a bf16 lm_head: one unit each
             for m in tail:
                 fully_shard_by_dtype(m, reshard_after_forward=False, **common)
@@ -274,10 +260,9 @@ class Qwen3_5ModelParallelizer:
 
 
 def _unit_of(module: nn.Module | None) -> FSDPModule | None:
-    """`module` if it is (part of) an FSDP2 unit with parameters of its own, else None."""
-    if not isinstance(module, FSDPModule):
-        return None
-    return module if module._get_fsdp_state()._fsdp_param_group is not None else None
+    """`module` if it is (part of) an FSDP2 unit made here that manages parameters, else None."""
+    record = unit_record(module) if isinstance(module, FSDPModule) else None
+    return module if record is not None and any(record.param_names) else None
 
 
 PARALLELIZER = Qwen3_5ModelParallelizer()

@@ -14,16 +14,38 @@ pytestmark = pytest.mark.multiprocess
 
 def prefetch_of(model, unit, kind: str) -> list[str]:
     """Names (first module) of the units that `unit` (layer index, or a module of a unit)
-    gathers ahead in `kind` ("forward"/"backward")."""
+    gathers ahead in `kind` ("forward"/"backward"), read from FSDP2's own state: what the
+    package records must be what FSDP2 does (checked against describe_prefetch below)."""
     name_of = {m: n for n, m in model.named_modules()}
     state = (model.model.layers[unit] if isinstance(unit, int) else unit)._get_fsdp_state()
     states = state._states_to_forward_prefetch if kind == "forward" else state._states_to_backward_prefetch
     return [name_of[s._modules[0]] for s in states]
 
 
+def assert_records_are_fsdps_own(model) -> None:
+    """The units and prefetch lists qwen35_accel records equal FSDP2's private state."""
+    from qwen35_accel.parallel.fsdp import describe_prefetch, fsdp_units
+
+    label_of_group = {}
+    for names, record in fsdp_units(model):
+        group = record.modules[0]._get_fsdp_state()._fsdp_param_group
+        assert {id(fp.sharded_param) for fp in group.fsdp_params} == {id(p) for p in record.parameters()}, names
+        assert len(group.fsdp_params) == len(record.parameters()), names
+        assert group.mp_policy == record.mp_policy, names
+        label_of_group[id(group)] = "+".join(names)
+    fsdp_view = {"forward": {}, "backward": {}}
+    for names, record in fsdp_units(model):
+        state = record.modules[0]._get_fsdp_state()
+        for kind, states in (("forward", state._states_to_forward_prefetch), ("backward", state._states_to_backward_prefetch)):
+            targets = [label_of_group[id(s._fsdp_param_group)] for s in states if id(s._fsdp_param_group) in label_of_group]
+            if targets:
+                fsdp_view[kind]["+".join(names)] = targets
+    assert describe_prefetch(model) == fsdp_view
+
+
 def _units_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.parallel.fsdp import describe_units, fsdp_unit_groups
+    from qwen35_accel.parallel.fsdp import describe_units, fsdp_units
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
@@ -42,6 +64,7 @@ def _units_worker(rank: int, world: int) -> None:
     assert {units[f"model.layers.{i}"]["compute"] for i in range(6)} == {"bfloat16"}
     # Sizes add up: every parameter is in exactly one unit.
     assert sum(r["params"] for r in units.values()) == sum(p.numel() for p in model.parameters())
+    assert_records_are_fsdps_own(model)
 
     # Explicit prefetch: layer i gathers layer i+1's units ahead in forward (depth 1) and
     # layers i-1, i-2 in backward (depth 2).
@@ -60,7 +83,7 @@ def _units_worker(rank: int, world: int) -> None:
     # On CPU the all-gathers are asynchronous: entering layer 0 (after FSDP2's own
     # pre-forward: its hook is prepended) layer 1's prefetched all-gather is still an
     # outstanding work handle, not a finished blocking call.
-    groups = [group for _, group in fsdp_unit_groups(model)]
+    groups = [record.modules[0]._get_fsdp_state()._fsdp_param_group for _, record in fsdp_units(model)]
     assert groups and all(g.unshard_async_op for g in groups)
     pending = {}
 
@@ -103,6 +126,7 @@ def _units_worker(rank: int, world: int) -> None:
     assert set(rows) == {"model.embed_tokens", "model.norm+lm_head", holders} | {f"model.layers.{i}" for i in range(6)}
     assert (rows[holders]["compute"], rows[holders]["params"]) == ("float32", 2 * 4 * len(gdn_layers))
     assert rows["model.layers.0"]["params"] == units["model.layers.0"]["params"]
+    assert_records_are_fsdps_own(shared)
     assert prefetch_of(shared, 0, "forward") == ["model.layers.1"]
     assert prefetch_of(shared, shared.model.embed_tokens, "forward") == ["model.layers.0", "model.layers.0.linear_attn._fp32_params"]
     group = shared.model.layers[0].linear_attn._fp32_params._get_fsdp_state()._fsdp_param_group
@@ -118,6 +142,7 @@ def _units_worker(rank: int, world: int) -> None:
     tied = PARALLELIZER.apply(build_tiny_causal_lm(tie_word_embeddings=True), mesh)
     names = [row["unit"] for row in describe_units(tied)]
     assert "model.embed_tokens+model.norm+lm_head" in names and "model.embed_tokens" not in names
+    assert_records_are_fsdps_own(tied)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     assert isinstance(tied.lm_head, FSDPModule)
     last = f"model.layers.{len(tied.model.layers) - 1}"

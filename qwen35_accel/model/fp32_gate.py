@@ -133,43 +133,67 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
     ) -> torch.Tensor:
         """Transformers' GatedDeltaNet forward with `g = self._fp32_params(a)`.
 
-        `hidden_states`: [batch, seq, hidden]; returns [batch, seq, hidden]. The kernels
-        are looked up on the Transformers module at call time, so whatever Transformers
-        would run (torch fallbacks, FLA, causal-conv1d) runs here too.
+        `hidden_states`: [batch, seq, hidden]; returns [batch, seq, hidden]. The one
+        GatedDeltaNet forward of the package: the causal conv (`conv`) and the gated delta
+        rule (`core`) are the steps a subclass replaces (the CP layer runs both across
+        ranks); everything else is Transformers' layer, op for op.
         """
         if "cache_params" in kwargs:  # the deprecated name Transformers still accepts
             cache = kwargs.pop("cache_params")
+        self.check_call(cache, kwargs)
         hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
         batch_size, seq_len, _ = hidden_states.shape
-        if cache is not None:
-            conv_state = cache.get_conv_state(self.layer_idx, state_idx=0)
-            recurrent_state = cache.get_recurrent_state(self.layer_idx, state_idx=0)
-        else:
-            conv_state, recurrent_state = None, None
 
         mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
         z = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.head_v_dim)
         b = self.in_proj_b(hidden_states)
         a = self.in_proj_a(hidden_states)
 
-        if conv_state is not None and seq_len == 1 and not cache.is_recording_past(self.layer_idx):
-            mixed_qkv = hf.causal_conv1d_update(
-                mixed_qkv, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation
-            )
-        else:
-            if cache is not None:
-                mixed_qkv = cache.update_conv_state(mixed_qkv, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
-            mixed_qkv = hf.causal_conv1d_fn(
-                mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation, **kwargs
-            )
-            if cache is not None:
-                mixed_qkv = mixed_qkv[:, :, -seq_len:]
-
+        mixed_qkv = self.conv(mixed_qkv, cache, kwargs)
         query, key, value = self._split_heads(mixed_qkv.transpose(1, 2))
 
         beta = b.sigmoid()
         g = self.gate(a)
+        core_attn_out = self.core(query, key, value, g, beta, cache, kwargs)
+        return self._gated_output(core_attn_out, z)
 
+    def check_call(self, cache: Any | None, kwargs: dict[str, Any]) -> None:
+        """Refuse what this layer cannot compute (nothing here; the CP layer refuses caches)."""
+
+    def conv(self, mixed_qkv: torch.Tensor, cache: Any | None, kwargs: dict[str, Any]) -> torch.Tensor:
+        """Depthwise causal conv + activation: [batch, conv_dim, seq] -> the same shape.
+
+        Transformers' kernels, looked up on its module at call time (torch fallback or
+        causal-conv1d), with the cache's conv state when one is given.
+        """
+        seq_len = mixed_qkv.shape[-1]
+        weight = self.conv1d.weight.squeeze(1)
+        conv_state = cache.get_conv_state(self.layer_idx, state_idx=0) if cache is not None else None
+        if conv_state is not None and seq_len == 1 and not cache.is_recording_past(self.layer_idx):
+            return hf.causal_conv1d_update(mixed_qkv, conv_state, weight, self.conv1d.bias, self.activation)
+        if cache is not None:
+            mixed_qkv = cache.update_conv_state(mixed_qkv, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+        out = hf.causal_conv1d_fn(mixed_qkv, weight, self.conv1d.bias, activation=self.activation, **kwargs)
+        return out[:, :, -seq_len:] if cache is not None else out
+
+    def core(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        cache: Any | None,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """The gated delta rule: query, key [batch, seq, k_heads, k_dim], value [batch, seq,
+        v_heads, v_dim], g (fp32), beta [batch, seq, v_heads] -> [batch, seq, v_heads, v_dim].
+
+        Transformers' chunked rule (the recurrent one for single-token decoding with a
+        cache), from and into the cache's recurrent state when one is given.
+        """
+        recurrent_state = cache.get_recurrent_state(self.layer_idx, state_idx=0) if cache is not None else None
+        seq_len = query.shape[1]
         rule = hf.torch_recurrent_gated_delta_rule if recurrent_state is not None and seq_len == 1 else hf.torch_chunk_gated_delta_rule
         core_attn_out, last_recurrent_state = rule(
             query,
@@ -185,8 +209,7 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         )
         if cache is not None:
             cache.update_recurrent_state(last_recurrent_state, self.layer_idx)
-
-        return self._gated_output(core_attn_out, z)
+        return core_attn_out
 
     def gate(self, a: torch.Tensor) -> torch.Tensor:
         """g [batch, seq, num_v_heads] fp32 from `a` = in_proj_a(hidden_states).

@@ -9,6 +9,7 @@ in (storage dtype, compute dtype).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 
@@ -34,6 +35,64 @@ def fp32_compute_policy(mp_policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy
         output_dtype=mp_policy.output_dtype,
         cast_forward_inputs=mp_policy.cast_forward_inputs,
     )
+
+
+_RECORD = "_qwen35_fsdp_unit"  # attribute on each module of a unit made here
+
+
+@dataclasses.dataclass(eq=False)
+class UnitRecord:
+    """One FSDP2 unit made by qwen35_accel, recorded when it was made.
+
+    `modules` are the modules `fully_shard` was called on (several for the tail),
+    `param_names[i]` the names, relative to `modules[i]`, of the parameters the unit
+    manages, `mp_policy` its policy. The prefetch lists are what `set_layer_prefetch`
+    set on the unit. Introspection (`describe_units`, `describe_prefetch`, `plan`) reads
+    these instead of FSDP2's private state.
+    """
+
+    modules: list[nn.Module]
+    param_names: list[list[str]]
+    mp_policy: MixedPrecisionPolicy
+    forward_prefetch: list[UnitRecord] = dataclasses.field(default_factory=list)
+    backward_prefetch: list[UnitRecord] = dataclasses.field(default_factory=list)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The unit's parameters as the modules hold them now (sharded DTensors once sharded)."""
+        return [m.get_parameter(n) for m, names in zip(self.modules, self.param_names) for n in names]
+
+
+def unit_record(module: nn.Module) -> UnitRecord | None:
+    """The record of the unit `module` belongs to (made by qwen35_accel), or None."""
+    return module.__dict__.get(_RECORD)
+
+
+def shard_unit(
+    modules: nn.Module | list[nn.Module],
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    ignored_params: set[nn.Parameter] | None = None,
+    **kwargs: object,
+) -> FSDPModule:
+    """`fully_shard(modules, mp_policy=…, **kwargs)`, recording the unit on its modules."""
+    mods = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+    ignored = set(ignored_params or ())
+    seen: set[int] = set()
+    names: list[list[str]] = []
+    for m in mods:  # what fully_shard will manage: not under a nested unit, not ignored, once
+        own = []
+        for name, p in _unmanaged_params(m, ignored):
+            if id(p) not in seen:
+                seen.add(id(p))
+                own.append(name)
+        names.append(own)
+    if ignored:
+        kwargs["ignored_params"] = ignored
+    unit = fully_shard(modules, mp_policy=mp_policy, **kwargs)
+    record = UnitRecord(mods, names, mp_policy)
+    for m in mods:
+        m.__dict__[_RECORD] = record
+    return unit
 
 
 def _is_fsdp(module: nn.Module) -> bool:
@@ -101,9 +160,8 @@ def fully_shard_by_dtype(
     Returns: the units made: the outer unit first, then split subtrees, then holders.
     """
     ignored = set(ignored_params or ())
-    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload_policy or OffloadPolicy())
-    if ignored:
-        kwargs["ignored_params"] = ignored
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload_policy or OffloadPolicy(),
+                  ignored_params=ignored)
     holders: list[FSDPModule] = []
     for name, sub in module.named_modules():
         if sub is module or _is_fsdp(sub) or name.rsplit(".", 1)[-1] not in fp32_compute_module_names:
@@ -112,7 +170,7 @@ def fully_shard_by_dtype(
             # Holders are tiny (2 x heads floats): keeping them gathered from forward to
             # backward saves one all-gather per layer for a few bytes of memory.
             holders.append(
-                fully_shard(sub, mp_policy=fp32_compute_policy(mp_policy), **{**kwargs, "reshard_after_forward": False})
+                shard_unit(sub, mp_policy=fp32_compute_policy(mp_policy), **{**kwargs, "reshard_after_forward": False})
             )
 
     compute = mp_policy.param_dtype
@@ -128,7 +186,7 @@ def fully_shard_by_dtype(
             majority,
             len(minority_units),
         )
-    outer = fully_shard(module, mp_policy=mp_policy, **kwargs)
+    outer = shard_unit(module, mp_policy=mp_policy, **kwargs)
     return [outer, *minority_units, *holders]
 
 
@@ -155,7 +213,7 @@ def _split_minority(
         if not keys or set(keys) == {majority}:
             continue
         if len(keys) == 1:
-            units.append(fully_shard(child, mp_policy=mp_policy, **kwargs))
+            units.append(shard_unit(child, mp_policy=mp_policy, **kwargs))
         else:
             units.extend(_split_minority(child, majority, compute, ignored, mp_policy, kwargs))
     return units
@@ -187,14 +245,19 @@ def set_layer_prefetch(
     n = len(chain)
     for i, units in enumerate(chain):
         outer = units[0]
+        record = unit_record(outer)
         if forward_depth > 0:
             ahead = [u for j in range(i + 1, min(n, i + 1 + forward_depth)) for u in chain[j] if u is not outer]
             if ahead:
                 outer.set_modules_to_forward_prefetch(ahead)
+                if record is not None:
+                    record.forward_prefetch = [r for r in map(unit_record, ahead) if r is not None]
         if backward_depth > 0:
             behind = [u for j in range(i - 1, max(-1, i - 1 - backward_depth), -1) for u in chain[j] if u is not outer]
             if behind:
                 outer.set_modules_to_backward_prefetch(behind)
+                if record is not None:
+                    record.backward_prefetch = [r for r in map(unit_record, behind) if r is not None]
 
 
 def set_async_unshard_on_cpu(root: nn.Module, device_type: str) -> bool:
@@ -207,26 +270,30 @@ def set_async_unshard_on_cpu(root: nn.Module, device_type: str) -> bool:
     computes, and the unit waits for it when its forward or backward needs the
     parameters. Accelerators keep FSDP2's stream-based default.
     """
+    if device_type != "cpu":
+        return False
     setter = getattr(root, "_set_unshard_async_op", None)  # FSDPModule; private in torch 2.13
-    if device_type != "cpu" or setter is None:
+    if setter is None:
+        logger.warning(
+            "qwen35_accel: this torch's FSDP2 has no _set_unshard_async_op; on CPU every all-gather, prefetches "
+            "included, blocks until all ranks join it (slower, still correct)"
+        )
         return False
     setter(True)
     return True
 
 
-def fsdp_unit_groups(model: nn.Module) -> list[tuple[list[str], object]]:
-    """(module names, FSDP2 param group) per unit of `model`, in module order. A unit over
-    several modules (the tail) lists them all; units without parameters are skipped.
-    Reads FSDP2's unit state (`FSDPModule._get_fsdp_state()`), the supported way to reach
-    a unit's group."""
-    units: dict[int, tuple[list[str], object]] = {}
+def fsdp_units(model: nn.Module) -> list[tuple[list[str], UnitRecord]]:
+    """(module names, record) per FSDP2 unit qwen35_accel made in `model`, in module order.
+
+    A unit over several modules (the tail) lists them all; units that manage no
+    parameters (a root left empty) are skipped.
+    """
+    units: dict[int, tuple[list[str], UnitRecord]] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        if group is None:
-            continue
-        units.setdefault(id(group), ([], group))[0].append(name)
+        record = unit_record(module)
+        if record is not None and any(record.param_names):
+            units.setdefault(id(record), ([], record))[0].append(name)
     return list(units.values())
 
 
@@ -237,10 +304,10 @@ def describe_units(model: nn.Module) -> list[dict[str, object]]:
     `params` (element count), `trainable`, `storage` / `compute` dtype names.
     """
     rows = []
-    for names, group in fsdp_unit_groups(model):
-        params = [fp.sharded_param for fp in group.fsdp_params]
+    for names, record in fsdp_units(model):
+        params = record.parameters()
         storages = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
-        compute = group.mp_policy.param_dtype
+        compute = record.mp_policy.param_dtype
         rows.append({
             "unit": "+".join(names),
             "params": sum(p.numel() for p in params),
@@ -254,13 +321,12 @@ def describe_units(model: nn.Module) -> list[dict[str, object]]:
 def describe_prefetch(model: nn.Module) -> dict[str, dict[str, list[str]]]:
     """{"forward"/"backward": {unit: units it gathers ahead}} as set on `model`'s FSDP2
     units, in module order; units labelled as in `describe_units` (modules joined by "+")."""
-    groups = fsdp_unit_groups(model)
-    label = {id(group): "+".join(names) for names, group in groups}
+    units = fsdp_units(model)
+    label = {id(record): "+".join(names) for names, record in units}
     out: dict[str, dict[str, list[str]]] = {"forward": {}, "backward": {}}
-    for names, group in groups:  # one entry per unit
-        state = model.get_submodule(names[0])._get_fsdp_state()
-        for kind, states in (("forward", state._states_to_forward_prefetch), ("backward", state._states_to_backward_prefetch)):
-            targets = [label[id(s._fsdp_param_group)] for s in states if id(s._fsdp_param_group) in label]
-            if targets:
-                out[kind][label[id(group)]] = targets
+    for names, record in units:
+        for kind, targets in (("forward", record.forward_prefetch), ("backward", record.backward_prefetch)):
+            labels = [label[id(t)] for t in targets if id(t) in label]
+            if labels:
+                out[kind]["+".join(names)] = labels
     return out

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
-from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
 from ...ops.gated_delta import Kernel, chunk_summary, fold_states, read_state
@@ -107,22 +106,16 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
     Made by `install_context_parallel` (class swap of an `Fp32GateGatedDeltaNet`, no new
     weights). With `_cp_group` set, `hidden_states` [batch, local_seq, hidden] are this
     rank's two layout chunks and the output equals the single-process layer's output at
-    those tokens. Without a group it is the `Fp32GateGatedDeltaNet` forward.
+    those tokens. It runs `Fp32GateGatedDeltaNet.forward` with the conv and the rule
+    across the group; without a group it is exactly that layer.
     """
 
     _cp_group: dist.ProcessGroup | None = None
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        cache: Any | None = None,
-        attention_mask: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        group = self._cp_group
-        if group is None:
-            return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        if cache is not None or kwargs.get("cache_params") is not None:
+    def check_call(self, cache: Any | None, kwargs: dict[str, Any]) -> None:
+        if self._cp_group is None:
+            return
+        if cache is not None:
             raise NotImplementedError(
                 "GatedDeltaNet under context parallelism does not support a cache (generation); run generation on a "
                 "model without context parallelism."
@@ -131,18 +124,24 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
             raise NotImplementedError("packed sequences (cu_seq_lens_q) are not supported under context parallelism")
         # Right padding only (checked by shard_batch): zeroing padded tokens changes nothing
         # before them, exactly as in the single-process layer.
-        hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
-        batch_size, seq_len, _ = hidden_states.shape
-        mixed_qkv = cp_causal_conv1d(
-            self.in_proj_qkv(hidden_states).transpose(1, 2),
-            self.conv1d.weight.squeeze(1),
-            self.conv1d.bias,
-            group=group,
-            activation=self.activation,
+
+    def conv(self, mixed_qkv: torch.Tensor, cache: Any | None, kwargs: dict[str, Any]) -> torch.Tensor:
+        if self._cp_group is None:
+            return super().conv(mixed_qkv, cache, kwargs)
+        return cp_causal_conv1d(
+            mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, group=self._cp_group, activation=self.activation
         )
-        z = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.head_v_dim)
-        beta = self.in_proj_b(hidden_states).sigmoid()
-        g = self.gate(self.in_proj_a(hidden_states))
-        query, key, value = self._split_heads(mixed_qkv.transpose(1, 2))
-        core_attn_out = cp_gated_delta_rule(query, key, value, g, beta, group=group)
-        return self._gated_output(core_attn_out, z)
+
+    def core(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        cache: Any | None,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        if self._cp_group is None:
+            return super().core(query, key, value, g, beta, cache, kwargs)
+        return cp_gated_delta_rule(query, key, value, g, beta, group=self._cp_group)

@@ -304,7 +304,7 @@ def main() -> None:
     if folder is not None:
         _plot(seqs, computed, measured_points, args, folder)
         run.write(folder, "cp_comm.md", "GatedDeltaNet context-parallel traffic per rank per layer",
-                  f"Machine: gloo, 1 thread per rank.\n\n{table}\n\n![bytes vs sequence](cp_comm.png)\n"
+                  f"Collectives: gloo, 1 thread per rank.\n\n{table}\n\n![bytes vs sequence](cp_comm.png)\n"
                   + ("\n**FORMULA MISMATCH** (see stderr of the run)\n" if failures else ""))
     if failures:
         sys.exit(1)

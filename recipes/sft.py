@@ -27,6 +27,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DataCollatorForSeq2Seq,
+    DataCollatorWithFlattening,
     HfArgumentParser,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -91,6 +92,15 @@ class ScriptArguments:
     attn_implementation: str = field(default="sdpa", metadata={"help": "Attention kernel for the model."})
     dtype: Literal["float32", "bfloat16"] = field(
         default="float32", metadata={"help": "dtype the model is created or loaded in."}
+    )
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Pack each batch's examples into one row without padding (DataCollatorWithFlattening: "
+                  "position_ids restart per example); every example is still computed on its own."},
+    )
+    packing_flash_attn_kwargs: bool = field(
+        default=False,
+        metadata={"help": "With --packing, also pass cu_seq_lens_q/k and max_length_q/k (the flash-attention form)."},
     )
 
 
@@ -185,13 +195,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         )
 
     train_dataset = build_dataset(script_args, training_args, tokenizer)
-    collator = DataCollatorForSeq2Seq(
-        tokenizer,
-        padding=True,
-        pad_to_multiple_of=script_args.pad_to_multiple_of or None,
-        label_pad_token_id=IGNORE_INDEX,
-        return_tensors="pt",
-    )
+    if script_args.packing:
+        collator = DataCollatorWithFlattening(return_flash_attn_kwargs=script_args.packing_flash_attn_kwargs)
+    else:
+        collator = DataCollatorForSeq2Seq(
+            tokenizer,
+            padding=True,
+            pad_to_multiple_of=script_args.pad_to_multiple_of or None,
+            label_pad_token_id=IGNORE_INDEX,
+            return_tensors="pt",
+        )
 
     trainer = Trainer(
         model=model,

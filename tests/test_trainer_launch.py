@@ -112,6 +112,18 @@ def test_context_and_tensor_parallel_launches_match_one_process(reference_sgd, t
     assert AutoModelForCausalLM.from_pretrained(out).model.layers[0].linear_attn.A_log.dtype == torch.float32
 
 
+@pytest.mark.parametrize("form", [[], ["--packing_flash_attn_kwargs"]], ids=["position_ids", "cu_seq_lens"])
+def test_packed_rows_through_a_launch_train_exactly_as_padded_rows_in_one_process(reference_sgd, tmp_path, form):
+    """DataCollatorWithFlattening (one row per rank, documents restarting their positions)
+    under FSDP2 on 2 processes against the padded single-process run: packing computes
+    every example on its own, so nothing but the layout may differ."""
+    out = tmp_path / "packed"
+    result = launch("cpu_fsdp2.yaml", out, "--per_device_train_batch_size", "2", "--packing", *form, *SGD)
+    assert PREPARED in result.stderr
+    # fp32 rtol 1e-5: FSDP2's reduction order, and each document's kernels batched with others.
+    assert_same_training(out, reference_sgd, rtol=1e-5)
+
+
 def test_resume_from_checkpoint_continues_with_the_uninterrupted_losses(tmp_path):
     full = tmp_path / "full"
     launch("cpu_fsdp2.yaml", full, "--per_device_train_batch_size", "2", "--save_strategy", "steps", "--save_steps", "2")

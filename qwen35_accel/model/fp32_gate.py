@@ -23,6 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from ..ops.documents import per_document
+from .packing import install_packing_hook
+
 HOLDER_NAME = "_fp32_params"
 GATE_PARAM_NAMES = ("A_log", "dt_bias")
 
@@ -168,6 +171,17 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         """
         seq_len = mixed_qkv.shape[-1]
         weight = self.conv1d.weight.squeeze(1)
+        documents = kwargs.get("cu_seq_lens_q")
+        if documents is not None and cache is None:  # packed rows: each document's window starts at its start
+            batch, channels = mixed_qkv.shape[:2]
+            flat = mixed_qkv.transpose(1, 2).reshape(batch * seq_len, channels)
+
+            def conv_alone(x: torch.Tensor) -> torch.Tensor:  # [n, P, channels] -> [n, P, channels]
+                out = hf.causal_conv1d_fn(x.transpose(1, 2), weight, self.conv1d.bias, activation=self.activation)
+                return out.transpose(1, 2)
+
+            out = per_document(conv_alone, [flat], documents)
+            return out.view(batch, seq_len, channels).transpose(1, 2)
         conv_state = cache.get_conv_state(self.layer_idx, state_idx=0) if cache is not None else None
         if conv_state is not None and seq_len == 1 and not cache.is_recording_past(self.layer_idx):
             return hf.causal_conv1d_update(mixed_qkv, conv_state, weight, self.conv1d.bias, self.activation)
@@ -192,6 +206,15 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         Transformers' chunked rule (the recurrent one for single-token decoding with a
         cache), from and into the cache's recurrent state when one is given.
         """
+        documents = kwargs.pop("cu_seq_lens_q", None)
+        if documents is not None and cache is None:  # packed rows: each document from a zero state
+            batch, seq_len = query.shape[:2]
+
+            def rule_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                return hf.torch_chunk_gated_delta_rule(q, k, v, g=g_, beta=b, use_qk_l2norm_in_kernel=True)[0]
+
+            flat = [t.reshape(batch * seq_len, *t.shape[2:]) for t in (query, key, value, g, beta)]
+            return per_document(rule_alone, flat, documents).view(batch, seq_len, *value.shape[2:])
         recurrent_state = cache.get_recurrent_state(self.layer_idx, state_idx=0) if cache is not None else None
         seq_len = query.shape[1]
         rule = hf.torch_recurrent_gated_delta_rule if recurrent_state is not None and seq_len == 1 else hf.torch_chunk_gated_delta_rule
@@ -204,7 +227,7 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
             initial_state=recurrent_state,
             output_final_state=cache is not None,
             use_qk_l2norm_in_kernel=True,
-            cu_seqlens=kwargs.pop("cu_seq_lens_q", None),
+            cu_seqlens=documents,
             **kwargs,
         )
         if cache is not None:
@@ -253,7 +276,8 @@ def install_fp32_gate(model: nn.Module) -> int:
     (meta included) and before any sharding. Values are converted exactly (upcast to
     fp32; a bf16 model keeps its bf16 values); the Parameter objects and
     `requires_grad` are preserved. `model.named_parameters()` then reports them under
-    their Transformers names (`…linear_attn.A_log`), like `state_dict()`.
+    their Transformers names (`…linear_attn.A_log`), like `state_dict()`. Each text decoder
+    holding them computes packed rows document by document (`model.packing`).
     Idempotent: returns the number of layers converted by this call (0 the second time).
     """
     converted = 0
@@ -272,6 +296,9 @@ def install_fp32_gate(model: nn.Module) -> int:
         module.register_state_dict_post_hook(_gate_state_dict_post_hook)
         module.register_load_state_dict_pre_hook(_gate_load_state_dict_pre_hook)
         converted += 1
+    for module in model.modules():  # every text decoder that holds converted layers
+        if isinstance(module, hf.Qwen3_5TextModel) and any(has_fp32_gate(m) for m in module.modules()):
+            install_packing_hook(module)
     if (converted or any(has_fp32_gate(m) for m in model.modules())) and "named_parameters" not in model.__dict__:
         # One naming everywhere: parameter names match state-dict keys and checkpoints
         # (torch.distributed.checkpoint names optimizer state by `named_parameters()`

@@ -140,3 +140,19 @@ def random_vlm_batch(config: Qwen3_5Config, batch: int, seq: int, seed: int) -> 
         "image_grid_thw": torch.tensor([[1, 4, 4]] * batch),
         "mm_token_type_ids": (ids == config.image_token_id).long(),
     }
+
+
+def packed_documents(lengths: list[int], vocab_size: int, seed: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """One packed row of documents of `lengths`, as `DataCollatorWithFlattening` makes it.
+
+    Returns (batch, documents): batch `input_ids` [1, T], `position_ids` [1, T]
+    restarting at 0 per document, `labels` [1, T] = input_ids with -100 at each
+    document's first token (no prediction across a boundary); documents: each one's ids
+    [1, length], the oracle's inputs.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    documents = [torch.randint(1, vocab_size, (1, n), generator=gen) for n in lengths]
+    ids = torch.cat(documents, dim=1)
+    labels = torch.cat([torch.cat([torch.tensor([[-100]]), d[:, 1:]], dim=1) for d in documents], dim=1)
+    positions = torch.cat([torch.arange(n)[None] for n in lengths], dim=1)
+    return {"input_ids": ids, "position_ids": positions, "labels": labels}, documents

@@ -21,6 +21,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from ...model.detect import qwen35_parts
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
+from ...model.packing import SEQUENCE_SHARDED_ATTR
 from ..tensor_parallel import VOCAB_GROUP_ATTR, vocab_parallel_cross_entropy
 from .attention import SUPPORTED_ATTENTION, ContextParallelAttention
 from .gated_delta_net import ContextParallelGatedDeltaNet
@@ -216,6 +217,8 @@ def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
     model.loss_function = ContextParallelCausalLMLoss(group, getattr(model, VOCAB_GROUP_ATTR, None))
     model.register_forward_pre_hook(_check_inputs, with_kwargs=True)
     setattr(model, CP_MESH_ATTR, cp_mesh)
+    # The text decoder sees this rank's chunks, not packed rows: its packing hook stands aside.
+    parts.text_model.__dict__[SEQUENCE_SHARDED_ATTR] = True
     return converted
 
 

@@ -1,0 +1,200 @@
+"""Packed rows: several documents in one row, each computed as if it were alone.
+
+Collators produce packed (padding-free) rows in three forms: `position_ids` restarting
+inside a row (Transformers' `DataCollatorWithFlattening`, TRL's padding-free mode),
+`cu_seq_lens_q`/`cu_seq_lens_k` with `max_length_q`/`max_length_k` (flash-attention
+kwargs), and `seq_idx` (a document index per token). `document_layout` turns whichever
+were given into one `DocumentLayout`, checking that they agree.
+
+Transformers' GatedDeltaNet fallbacks ignore document boundaries, and its attention
+honours them only when no cache exists, while a Trainer's forward runs with the config's
+`use_cache=True`. `install_packing_hook` therefore puts a forward pre-hook on the text
+model: for a packed row it refuses a cache the caller passed (generation with packed rows
+is meaningless), turns `use_cache` off (so attention builds its per-document mask from
+`position_ids`), completes `position_ids` from `cu_seq_lens_q` when only those were given,
+and hands the layout to the layers as the `cu_seq_lens_q`/`max_length_q` kwargs that
+Transformers propagates to every decoder layer. The GatedDeltaNet layers of this package
+read them: the causal conv does not look across a document start, and the recurrence
+starts each document from a zero state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+# Set (True) on a text model whose layers see a sequence sharded across ranks (context
+# parallelism): its rows are not packed rows, and its own checks apply.
+SEQUENCE_SHARDED_ATTR = "_qwen35_sequence_sharded"
+_HOOKED_ATTR = "_qwen35_packing_hook"
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentLayout:
+    """Documents of a packed batch, flattened row after row.
+
+    `cu_seq_lens` [documents + 1] int32: offsets of each document in the flattened
+    `[batch * seq]` tokens (0 first, batch * seq last); `max_length`: the longest document.
+    """
+
+    cu_seq_lens: torch.Tensor
+    max_length: int
+
+    @property
+    def lengths(self) -> list[int]:
+        return (self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]).tolist()
+
+    def starts(self, batch: int, seq_len: int) -> torch.Tensor:
+        """[batch, seq_len] bool: True at each document's first token."""
+        flags = torch.zeros(batch * seq_len, dtype=torch.bool, device=self.cu_seq_lens.device)
+        flags[self.cu_seq_lens[:-1].long()] = True
+        return flags.view(batch, seq_len)
+
+    def position_ids(self, batch: int, seq_len: int) -> torch.Tensor:
+        """[batch, seq_len] long: 0, 1, … within each document."""
+        index = torch.arange(batch * seq_len, device=self.cu_seq_lens.device)
+        starts = self.cu_seq_lens[:-1].long()
+        first = starts[torch.searchsorted(starts, index, right=True) - 1]
+        return (index - first).view(batch, seq_len)
+
+
+def _from_starts(starts: torch.Tensor) -> DocumentLayout:
+    """`starts` [batch, seq] bool (every row's first token a start) -> the layout."""
+    flat = starts.reshape(-1)
+    offsets = torch.nonzero(flat).flatten().to(torch.int32)
+    cu = torch.cat([offsets, offsets.new_tensor([flat.numel()])])
+    return DocumentLayout(cu, int((cu[1:] - cu[:-1]).max()))
+
+
+def _text_positions(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
+    """[batch, seq] text positions from 2-D ids or Qwen3.5's [3 or 4, batch, seq] ids."""
+    if position_ids.dim() == 3:
+        position_ids = position_ids[0]
+    return position_ids.expand(batch, -1)
+
+
+def starts_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] bool: a document starts where a position is not its predecessor + 1
+    (the rule Transformers' attention masks use), and at every row's first token."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
+
+
+def document_layout(
+    batch: int,
+    seq_len: int,
+    *,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+) -> DocumentLayout | None:
+    """The documents of a `[batch, seq_len]` batch, or None when every row is one document.
+
+    Every form given must describe the same boundaries (ValueError naming both otherwise);
+    `cu_seq_lens_q` must run from 0 to `batch * seq_len` in increasing steps.
+    """
+    layouts: dict[str, torch.Tensor] = {}
+    if position_ids is not None:
+        layouts["position_ids"] = starts_from_position_ids(_text_positions(position_ids, batch))
+    for name, cu in (("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k)):
+        if cu is None:
+            continue
+        cu = cu.flatten().long()
+        total = batch * seq_len
+        if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
+            raise ValueError(
+                f"{name} must start at 0 and end at the number of tokens in the batch ({batch} x {seq_len} = {total}); "
+                f"got {cu.tolist()[:8]}{' …' if cu.numel() > 8 else ''} ending at {int(cu[-1])}"
+            )
+        if bool((cu[1:] <= cu[:-1]).any()):
+            raise ValueError(f"{name} must increase strictly (one offset per document start); got {cu.tolist()[:16]}")
+        flags = torch.zeros(total, dtype=torch.bool, device=cu.device)
+        flags[cu[:-1]] = True
+        flags = flags.view(batch, seq_len)
+        if not bool(flags[:, 0].all()):
+            raise ValueError(f"{name} puts a document across rows of the batch; every row must start a document")
+        layouts[name] = flags
+    if seq_idx is not None:
+        index = seq_idx.view(batch, seq_len)
+        flags = torch.ones_like(index, dtype=torch.bool)
+        flags[:, 1:] = index[:, 1:] != index[:, :-1]
+        layouts["seq_idx"] = flags
+    if not layouts:
+        return None
+    names = list(layouts)
+    reference = layouts[names[0]]
+    for name in names[1:]:
+        if reference.shape != layouts[name].shape or not torch.equal(reference.cpu(), layouts[name].cpu()):
+            raise ValueError(
+                f"{names[0]} and {name} describe different document boundaries (first at token "
+                f"{_first_difference(reference, layouts[name])}); pass one form, or make them agree"
+            )
+    if not bool(reference[:, 1:].any()):
+        return None
+    return _from_starts(reference)
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
+    if a.shape != b.shape:
+        return 0
+    return int(torch.nonzero((a != b).reshape(-1))[0])
+
+
+def _packing_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if module.__dict__.get(SEQUENCE_SHARDED_ATTR):
+        return args, kwargs
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None and args:
+        tokens = args[0]
+    if tokens is None:
+        return args, kwargs
+    batch, seq_len = tokens.shape[:2]
+    layout = document_layout(
+        batch,
+        seq_len,
+        position_ids=kwargs.get("position_ids"),
+        cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+        cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
+        seq_idx=kwargs.get("seq_idx"),
+    )
+    if layout is None:
+        return args, kwargs
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        raise NotImplementedError(
+            "packed rows (several documents per row) cannot be combined with a cache (generation): a cache holds one "
+            "sequence per row. Generate from unpacked rows."
+        )
+    attention_mask = kwargs.get("attention_mask")
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or not bool(attention_mask.bool().all()):
+            raise ValueError(
+                "packed rows (position_ids restarting inside a row, cu_seq_lens_q or seq_idx) cannot be combined with "
+                "padding in attention_mask: pack without padding (padding-free collators pass no attention_mask)"
+            )
+        kwargs["attention_mask"] = None  # all ones; attention builds the per-document mask from position_ids
+    kwargs["use_cache"] = False
+    if kwargs.get("position_ids") is None:
+        kwargs["position_ids"] = layout.position_ids(batch, seq_len)
+    kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = layout.cu_seq_lens
+    kwargs["max_length_q"] = kwargs["max_length_k"] = layout.max_length
+    kwargs.pop("seq_idx", None)
+    return args, kwargs
+
+
+def install_packing_hook(text_model: nn.Module) -> bool:
+    """Make `text_model` (a `Qwen3_5TextModel`) compute packed rows document by document.
+
+    Idempotent; returns whether the hook was added by this call.
+    """
+    if text_model.__dict__.get(_HOOKED_ATTR):
+        return False
+    text_model.register_forward_pre_hook(_packing_pre_hook, with_kwargs=True)
+    text_model.__dict__[_HOOKED_ATTR] = True
+    return True

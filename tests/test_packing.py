@@ -1,0 +1,145 @@
+"""Packed rows: every document of a row equals that document run alone through the
+unmodified Transformers model, with the forward's default kwargs (`use_cache` left at the
+config's True, as a Trainer forward runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _parity import assert_close, hf_name
+from qwen35_accel.model.fp32_gate import install_fp32_gate
+from qwen35_accel.model.packing import document_layout
+from qwen35_accel.testing.tiny import build_tiny_causal_lm, packed_documents
+
+# Long and short documents, one shorter than the conv kernel (4), one of a single token,
+# and one longer than the gated delta rule's chunk (64): every case of the conv window
+# and of the chunked recurrence at a boundary.
+LENGTHS = [70, 24, 3, 1, 40]
+
+
+def _models(seed: int = 0):
+    reference = build_tiny_causal_lm(seed=seed, use_cache=True)  # Qwen3.5's default
+    model = build_tiny_causal_lm(seed=seed, use_cache=True)
+    install_fp32_gate(model)
+    return reference, model
+
+
+def _oracle(reference, documents):
+    """Logits of each document alone, concatenated, and the packed loss: the sum of every
+    document's next-token losses over the number of predictions."""
+    logits, total, count = [], 0.0, 0
+    for doc in documents:
+        out = reference(input_ids=doc).logits
+        logits.append(out)
+        total = total + torch.nn.functional.cross_entropy(out[0, :-1], doc[0, 1:], reduction="sum")
+        count += doc.shape[1] - 1
+    return torch.cat(logits, dim=1), total / count
+
+
+def test_every_document_of_a_packed_row_equals_the_document_alone():
+    reference, model = _models()
+    batch, documents = packed_documents(LENGTHS, reference.config.vocab_size, seed=1)
+    out = model(**batch)
+    want_logits, want_loss = _oracle(reference, documents)
+    # fp32 rtol 1e-5: the same kernels on the same tokens, batched with other documents.
+    assert_close(out.logits, want_logits, "logits")
+    assert_close(out.loss, want_loss, "loss")
+    out.loss.backward()
+    want_loss.backward()
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close(p.grad, ref[hf_name(name)].grad, f"grad of {name}")
+
+
+def test_unmodified_transformers_leaks_across_documents_so_the_comparison_can_fail():
+    reference, _ = _models()
+    batch, documents = packed_documents(LENGTHS, reference.config.vocab_size, seed=1)
+    leaked = reference(**batch).logits
+    want, _ = _oracle(reference, documents)
+    assert (leaked - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("form", ["cu_seq_lens", "seq_idx", "both"])
+def test_every_accepted_form_gives_the_same_row(form):
+    reference, model = _models()
+    batch, _ = packed_documents(LENGTHS, reference.config.vocab_size, seed=2)
+    want = model(**batch).logits
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    kwargs = {"input_ids": batch["input_ids"]}
+    if form in ("cu_seq_lens", "both"):
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(LENGTHS), max_length_k=max(LENGTHS))
+    if form == "seq_idx":
+        kwargs["seq_idx"] = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))[None]
+    if form == "both":
+        kwargs["position_ids"] = batch["position_ids"]
+    assert_close(model(**kwargs).logits, want, f"logits from {form}")
+
+
+def test_forms_that_disagree_raise_naming_both():
+    batch, _ = packed_documents(LENGTHS, 96, seed=3)
+    wrong = torch.tensor([0, 70, 95, 138], dtype=torch.int32)
+    with pytest.raises(ValueError, match="position_ids and cu_seq_lens_q describe different document boundaries"):
+        document_layout(1, 138, position_ids=batch["position_ids"], cu_seq_lens_q=wrong)
+
+
+@pytest.mark.parametrize(
+    "cu,message",
+    [([0, 70, 100], r"must start at 0 and end at the number of tokens in the batch \(1 x 138 = 138\)"),
+     ([0, 70, 60, 138], "must increase strictly")],
+    ids=["short", "decreasing"],
+)
+def test_bad_cu_seq_lens_raise(cu, message):
+    with pytest.raises(ValueError, match=message):
+        document_layout(1, 138, cu_seq_lens_q=torch.tensor(cu))
+
+
+def test_packed_rows_with_padding_or_a_cache_are_refused():
+    from transformers import DynamicCache
+
+    _, model = _models()
+    batch, _ = packed_documents(LENGTHS, 96, seed=4)
+    mask = torch.ones_like(batch["input_ids"])
+    mask[:, :5] = 0
+    with pytest.raises(ValueError, match="cannot be combined with padding"):
+        model(**batch, attention_mask=mask)
+    with pytest.raises(NotImplementedError, match="cannot be combined with a cache"):
+        model(**batch, cache=DynamicCache(config=model.config))
+    # An all-ones mask is no padding: the same logits as without one.
+    assert_close(model(**batch, attention_mask=torch.ones_like(mask)).logits, model(**batch).logits, "all-ones mask")
+
+
+def _parallel_packing_worker(rank: int, world: int, dp: int, tp: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from _parity import full
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
+
+    mesh = init_device_mesh("cpu", (1, dp, 1, tp), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    reference, model = _models()
+    PARALLELIZER.apply(model, mesh)
+    batch, documents = packed_documents(LENGTHS, reference.config.vocab_size, seed=5)  # the same row on every rank
+    out = model(**batch)
+    want_logits, want_loss = _oracle(reference, documents)
+    assert_close(out.loss, want_loss, f"loss, dp {dp} x tp {tp}")
+    if tp == 1:
+        assert_close(out.logits, want_logits, "logits")
+    out.loss.backward()
+    want_loss.backward()
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        grad = gather_tensor_parallel(model, name, p.grad) if tp > 1 else full(p.grad)
+        # fp32 rtol 1e-5 / atol 1e-6: FSDP2 averages the ranks' equal gradients, TP sums slices.
+        assert_close(grad, ref[hf_name(name)].grad, f"grad of {name}, dp {dp} x tp {tp}")
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)], ids=["fsdp2", "tp2"])
+def test_packed_rows_under_fsdp2_and_tensor_parallelism_equal_the_documents_alone(dp, tp):
+    from _dist import run_world
+
+    run_world(_parallel_packing_worker, dp * tp, dp, tp)

@@ -14,11 +14,12 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from qwen35_accel.testing.processes import ProcessTreeTimeout, run_process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -37,15 +38,10 @@ def _smoke(script: str, *extra: str) -> str:
     """Run benchmarks/<script> --smoke; return its stdout (the test fails with the output's tail)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
     before = _snapshot()
-    try:
-        proc = subprocess.run(
-            [sys.executable, f"benchmarks/{script}", "--smoke", *extra],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"{script} --smoke ran past {TIMEOUT_S} s\n--- stdout tail\n{out[-3000:]}\n--- stderr tail\n{err[-3000:]}")
+    try:  # the whole process tree (the script and the ranks it spawns) dies at the timeout
+        proc = run_process_tree([sys.executable, f"benchmarks/{script}", "--smoke", *extra], timeout=TIMEOUT_S, env=env, cwd=ROOT)
+    except ProcessTreeTimeout as error:
+        pytest.fail(f"{script} --smoke: {error}")
     tail = f"--- stdout tail\n{proc.stdout[-3000:]}\n--- stderr tail\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, f"{script} --smoke exited {proc.returncode}\n{tail}"
     if "--results-dir" not in extra:
@@ -168,3 +164,18 @@ def test_cuda_check_cpu_smoke():
     assert report["model_check.json"]["fp32_seq64"]["loss_rel_err"] < 1e-5, stdout
     assert math.isfinite(report["fsdp_check.json"]["loss"]), stdout
     assert report["tp_check_world2.json"]["max_grad_rel_err"] < 1e-4, stdout
+
+
+def test_packing_step_smoke_reports_both_layouts_and_exact_documents():
+    stdout = _smoke("packing_step.py")
+    rows = _table_rows(stdout, "| layout |")
+    assert [r[0] for r in rows] == ["padded", "packed"], stdout
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), stdout
+    parity = float(re.search(r"max \|packed - alone\| = ([0-9.e+-]+)", stdout).group(1))
+    assert parity < 1e-4, stdout  # fp32: each document of the packed row as if alone
+
+
+def test_launch_reliability_smoke_counts_launches_that_exit_0():
+    stdout = _smoke("launch_reliability.py", "--configs", "cpu_fsdp2.yaml")
+    rows = _table_rows(stdout, "| config |")
+    assert rows == [["cpu_fsdp2.yaml", "1", "1", rows[0][3]]], stdout

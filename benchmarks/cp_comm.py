@@ -128,7 +128,7 @@ def _measure_worker(rank: int, world: int, seqs: list[int], batch: int, dtype_na
     from qwen35_accel.model.fp32_gate import install_fp32_gate
     from qwen35_accel.parallel.context_parallel.layout import shard_sequence
     from qwen35_accel.parallel.context_parallel.model import install_context_parallel
-    from qwen35_accel.tiny import build_tiny_causal_lm
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     config = dict(
@@ -210,7 +210,7 @@ def main() -> None:
     measured_name, shape = ("small (smoke)", SMOKE_SHAPE) if args.smoke else ("4B-like", SHAPES["4B-like"])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from qwen35_accel.local_world import run_local_world
+    from qwen35_accel.testing.local_world import run_local_world
 
     run = _report.Run()
     with tempfile.TemporaryDirectory() as tmp:

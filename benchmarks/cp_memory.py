@@ -61,7 +61,7 @@ def build_parallel_model(cp: int, seq: int, shape: dict[str, Any] = WIDE_SHAPE):
     from torch.distributed.device_mesh import init_device_mesh
 
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.tiny import build_tiny_causal_lm
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
     if cp == 1:
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard_cp",))
@@ -76,7 +76,7 @@ def build_parallel_model(cp: int, seq: int, shape: dict[str, Any] = WIDE_SHAPE):
 def make_batch(cp: int, seq: int, mesh, shape: dict[str, Any] = WIDE_SHAPE) -> dict[str, torch.Tensor]:
     """The same whole batch on every rank (labels = input_ids); this rank's part under CP."""
     from qwen35_accel.context_parallel import shard_batch
-    from qwen35_accel.tiny import random_batch
+    from qwen35_accel.testing.tiny import random_batch
 
     batch = random_batch(1, seq, shape["vocab_size"], seed=0)
     return batch if cp == 1 else shard_batch(batch, mesh["cp"])
@@ -177,7 +177,7 @@ def main() -> None:
         args.seq, shape = 128, SMOKE_SHAPE
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from qwen35_accel.local_world import run_local_world
+    from qwen35_accel.testing.local_world import run_local_world
 
     run = _report.Run()
     runs: dict[int, list[dict]] = {}

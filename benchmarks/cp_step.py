@@ -84,7 +84,7 @@ def main() -> None:
         args.seq, args.rounds, args.warmup, args.steps, shape = 128, 1, 0, 1, SMOKE_SHAPE
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from qwen35_accel.local_world import run_local_world
+    from qwen35_accel.testing.local_world import run_local_world
 
     configs = (1, args.cp)
     run = _report.Run()

@@ -129,7 +129,7 @@ def _model_worker(rank: int, world: int, device: str, out_dir: str, smoke: bool)
     from qwen35_accel.context_parallel import shard_batch
     from qwen35_accel.model.fp32_gate import install_fp32_gate
     from qwen35_accel.parallel.context_parallel.model import install_context_parallel
-    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -176,7 +176,7 @@ def _fsdp_worker(rank: int, world: int, device: str, out_dir: str, smoke: bool) 
 
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import shard_batch
-    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -198,7 +198,7 @@ def _tp_worker(rank: int, world: int, device: str, out_dir: str, smoke: bool) ->
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import shard_batch
     from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
-    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -250,7 +250,7 @@ def main() -> None:
 
 def _checks(device: str, smoke: bool, out: Path | None, scratch: Path) -> None:
     """Run every check, print each result; write cuda_check.json to `out` (None: nowhere)."""
-    from qwen35_accel.local_world import run_local_world
+    from qwen35_accel.testing.local_world import run_local_world
 
     run = _report.Run()
     work = str(scratch)  # the workers' own json files

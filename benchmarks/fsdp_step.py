@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, steps: int, seq: int, warmup: int, shape: dic
 
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.parallel.fsdp import set_async_unshard_on_cpu, set_layer_prefetch
-    from qwen35_accel.tiny import build_tiny_causal_lm, random_batch
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -134,7 +134,7 @@ def main() -> None:
         args.steps, args.warmup, args.seq, shape = 2, 1, 64, SMOKE_SHAPE
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from qwen35_accel.local_world import run_local_world
+    from qwen35_accel.testing.local_world import run_local_world
 
     run = _report.Run()
     with tempfile.TemporaryDirectory() as tmp:

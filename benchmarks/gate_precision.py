@@ -39,7 +39,7 @@ METRICS = ("g", "cumulative decay sum(g)", "layer output")
 
 
 def _config(seq: int, hidden: int):
-    from qwen35_accel.tiny import tiny_text_config
+    from qwen35_accel.testing.tiny import tiny_text_config
 
     return tiny_text_config(
         hidden_size=hidden, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
@@ -148,7 +148,7 @@ def main() -> None:
         args.seq, args.hidden = 64, 64
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from qwen35_accel.local_world import run_local_world
+    from qwen35_accel.testing.local_world import run_local_world
 
     run = _report.Run()
     with tempfile.TemporaryDirectory() as tmp:

@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, seq: int, steps: int, shape: dict, out: dict)
 
     from qwen35_accel.model.fp32_gate import install_fp32_gate
     from qwen35_accel.parallel.tensor_parallel import apply_tensor_parallel
-    from qwen35_accel.tiny import build_tiny_causal_lm
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
     ours_model = build_tiny_causal_lm(seed=0, **shape)
     install_fp32_gate(ours_model)
@@ -101,7 +101,7 @@ def main() -> None:
         args.seq, args.steps, shape = 64, 2, SMOKE_SHAPE
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from qwen35_accel.local_world import run_local_world
+    from qwen35_accel.testing.local_world import run_local_world
 
     run = _report.Run()
     with tempfile.TemporaryDirectory() as tmp:

@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, seq: int, vocab: int, hidden_size: int, steps
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     from qwen35_accel.parallel.tensor_parallel import apply_vocab_parallel_lm_head
-    from qwen35_accel.tiny import build_tiny_causal_lm
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
     shape = dict(hidden_size=hidden_size, vocab_size=vocab, num_hidden_layers=1, layer_types=["linear_attention"])
     ours = build_tiny_causal_lm(seed=0, **shape)
@@ -100,7 +100,7 @@ def main() -> None:
         args.seq, args.vocab, args.hidden, args.steps = 32, 512, 32, 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from qwen35_accel.local_world import run_local_world
+    from qwen35_accel.testing.local_world import run_local_world
 
     run = _report.Run()
     with tempfile.TemporaryDirectory() as tmp:

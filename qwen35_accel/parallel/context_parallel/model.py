@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
@@ -22,66 +21,11 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from ...model.detect import qwen35_parts
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
 from ...model.packing import SEQUENCE_SHARDED_ATTR
-from ..tensor_parallel import VOCAB_GROUP_ATTR, vocab_parallel_cross_entropy
+from ..losses import VOCAB_GROUP_ATTR, CausalLMLoss
 from .attention import SUPPORTED_ATTENTION, ContextParallelAttention
 from .gated_delta_net import ContextParallelGatedDeltaNet
 
-IGNORE_INDEX = -100
 CP_MESH_ATTR = "_qwen35_cp_mesh"
-
-
-class ContextParallelCausalLMLoss:
-    """Causal-LM loss of a sequence sharded across a cp group (`model.loss_function`).
-
-    Needs `shift_labels` (this rank's next-token labels: the next token of a chunk's last
-    token lives elsewhere). Two regimes:
-    - `num_items_in_batch` given (the Trainer): local sum / `num_items_in_batch`, as
-      Transformers' loss; the Trainer's scaling and FSDP's averaging make the rest.
-    - otherwise: the value is the mean over the whole cp group's tokens on every rank,
-      and the gradient is cp × (local sum / global count), so that FSDP's average over
-      `dp_shard_cp` gives exactly the single-process gradient.
-    """
-
-    def __init__(self, group: dist.ProcessGroup, vocab_group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
-        self.vocab_group = vocab_group  # a vocab-parallel lm_head's tp group: logits hold a vocab slice
-
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor | None,
-        vocab_size: int,
-        num_items_in_batch: torch.Tensor | int | None = None,
-        ignore_index: int = IGNORE_INDEX,
-        shift_labels: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        if shift_labels is None:
-            raise ValueError(
-                "under context parallelism the loss needs `shift_labels` (labels shifted left over the whole sequence, "
-                "then sharded); qwen35_accel.context_parallel.shard_batch and the Trainer integration provide them."
-            )
-        logits = logits.float()
-        shift_labels = shift_labels.to(logits.device)
-        if self.vocab_group is not None:
-            local_sum = vocab_parallel_cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), self.vocab_group, ignore_index
-            ).sum()
-        else:
-            local_sum = F.cross_entropy(
-                logits.reshape(-1, vocab_size), shift_labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
-            )
-        if num_items_in_batch is not None:
-            if torch.is_tensor(num_items_in_batch):
-                num_items_in_batch = num_items_in_batch.to(local_sum.device)
-            return local_sum / num_items_in_batch
-        cp = dist.get_world_size(self.group)
-        totals = torch.stack([local_sum.detach(), (shift_labels != ignore_index).sum().to(local_sum.dtype)])
-        dist.all_reduce(totals, group=self.group)
-        total_sum, total_count = totals.unbind(0)
-        seed = local_sum * (cp / total_count)
-        # Value: the group's mean loss; gradient: this rank's share, scaled for FSDP's average.
-        return seed + (total_sum / total_count - seed).detach()
 
 
 _UNSUPPORTED_INPUTS = {
@@ -214,7 +158,7 @@ def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
                 continue
             module._cp_group = group
             converted += 1
-    model.loss_function = ContextParallelCausalLMLoss(group, getattr(model, VOCAB_GROUP_ATTR, None))
+    model.loss_function = CausalLMLoss(cp_group=group, vocab_group=getattr(model, VOCAB_GROUP_ATTR, None))
     model.register_forward_pre_hook(_check_inputs, with_kwargs=True)
     setattr(model, CP_MESH_ATTR, cp_mesh)
     # The text decoder sees this rank's chunks, not packed rows: its packing hook stands aside.

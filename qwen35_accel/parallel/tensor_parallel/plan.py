@@ -1,0 +1,228 @@
+"""Which parameters tensor parallelism splits and how, and applying the split.
+
+Each tp rank keeps whole heads: its slice of every head-indexed projection, and runs the
+token mixers on those heads only (see the package docstring for the per-layer plan).
+Each block's input is f (`copy_to_tp`), its output g (`reduce_from_tp`); the norms used
+on local heads keep a replicated weight whose gradient is all-reduced. Optionally the
+lm_head is split by vocab rows too, with a loss that never gathers the logits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from transformers.activations import ACT2FN
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from ...model.detect import qwen35_parts
+from ...model.fp32_gate import HOLDER_NAME
+from ..losses import VOCAB_GROUP_ATTR, VocabParallelCausalLMLoss
+from .collectives import copy_to_tp, reduce_from_tp
+from .layout import _COLS, LAYOUTS_ATTR, TP_GROUP_ATTR, _rows, _Sliced
+from .state_dict import _gather_hook, _slice_hook
+
+
+class TensorParallelRMSNorm(hf.Qwen3_5RMSNorm):
+    """`Qwen3_5RMSNorm` applied to this rank's heads (q_norm/k_norm): replicated weight,
+    gradient all-reduced over the tp group. Same arithmetic as Transformers'."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tp(self.weight, getattr(self, TP_GROUP_ATTR))
+        output = self._norm(x.float())
+        return (output * (1.0 + weight.float())).type_as(x)
+
+
+class TensorParallelRMSNormGated(hf.Qwen3_5RMSNormGated):
+    """GatedDeltaNet's per-head gated norm on this rank's heads (weight replicated,
+    gradient all-reduced). Same arithmetic as Transformers'."""
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tp(self.weight, getattr(self, TP_GROUP_ATTR))
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        hidden_states = weight * hidden_states.to(input_dtype)
+        hidden_states = hidden_states * ACT2FN[self.activation](gate.to(torch.float32))
+        return hidden_states.to(input_dtype)
+
+
+def check_divisible(config: Any, tp: int) -> None:
+    """ValueError naming every head count (and the MLP width) that tp does not divide."""
+    counts = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "linear_num_key_heads": config.linear_num_key_heads,
+        "linear_num_value_heads": config.linear_num_value_heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    bad = {name: n for name, n in counts.items() if n % tp}
+    if bad:
+        common = math.gcd(*counts.values())
+        sizes = [d for d in range(1, common + 1) if common % d == 0]
+        raise ValueError(
+            "tensor parallelism splits whole heads: tp size "
+            f"{tp} must divide " + ", ".join(f"{name} = {n}" for name, n in bad.items())
+            + f"; this model takes tp sizes {sizes} (parallelism_config_tp_size)"
+        )
+
+
+def _layouts(layer: nn.Module, config: Any) -> dict[str, _Sliced]:
+    """{parameter path inside the decoder layer: how it is split} for one layer."""
+    out: dict[str, _Sliced] = {"mlp.gate_proj.weight": _rows(config.intermediate_size),
+                               "mlp.up_proj.weight": _rows(config.intermediate_size),
+                               "mlp.down_proj.weight": _COLS}
+    if layer.block_type == "linear_attention":
+        gdn = layer.linear_attn
+        qkv = [gdn.key_dim, gdn.key_dim, gdn.value_dim]
+        out.update({
+            "linear_attn.in_proj_qkv.weight": _rows(*qkv),
+            "linear_attn.conv1d.weight": _rows(*qkv),
+            "linear_attn.in_proj_z.weight": _rows(gdn.value_dim),
+            "linear_attn.in_proj_b.weight": _rows(gdn.num_v_heads),
+            "linear_attn.in_proj_a.weight": _rows(gdn.num_v_heads),
+            f"linear_attn.{HOLDER_NAME}.A_log": _rows(gdn.num_v_heads),
+            f"linear_attn.{HOLDER_NAME}.dt_bias": _rows(gdn.num_v_heads),
+            "linear_attn.out_proj.weight": _COLS,
+        })
+        if gdn.conv1d.bias is not None:
+            out["linear_attn.conv1d.bias"] = _rows(*qkv)
+    else:
+        attn = layer.self_attn
+        q_rows = config.num_attention_heads * attn.head_dim * 2
+        kv_rows = config.num_key_value_heads * attn.head_dim
+        for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
+            out[f"self_attn.{name}.weight"] = _rows(rows)
+            if getattr(attn, name).bias is not None:
+                out[f"self_attn.{name}.bias"] = _rows(rows)
+        out["self_attn.o_proj.weight"] = _COLS
+    return out
+
+
+def _input_hook(group: dist.ProcessGroup) -> Callable[..., Any]:
+    """A block's forward pre-hook: f on its input (`hidden_states`, or the first argument)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if "hidden_states" in kwargs:
+            kwargs["hidden_states"] = copy_to_tp(kwargs["hidden_states"], group)
+        else:
+            args = (copy_to_tp(args[0], group), *args[1:])
+        return args, kwargs
+
+    return hook
+
+
+def _output_hook(group: dist.ProcessGroup) -> Callable[..., Any]:
+    """A block's forward hook: g on its output (the first element of a tuple)."""
+
+    def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (reduce_from_tp(output[0], group), *output[1:])
+        return reduce_from_tp(output, group)
+
+    return hook
+
+
+def _split_module(module: nn.Module, layouts: dict[str, _Sliced], tp_mesh: DeviceMesh) -> None:
+    """Replace the parameters named in `layouts` (paths inside `module`) by this rank's
+    slices and give `module` the state-dict hooks of the Transformers layout."""
+    tp, rank, group = tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh.get_group()
+    for path, sliced in layouts.items():
+        owner_path, _, name = path.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        param = owner._parameters[name]
+        local = sliced.local(param.detach(), rank, tp).clone()
+        owner._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
+    setattr(module, LAYOUTS_ATTR, layouts)
+    module.register_state_dict_post_hook(_gather_hook(layouts, group))
+    module.register_load_state_dict_pre_hook(_slice_hook(layouts, group))
+    setattr(module, TP_GROUP_ATTR, group)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
+    """Split a dense Qwen3.5 model's decoder layers by heads over `tp_mesh`, in place.
+
+    Preconditions: fp32 gate holders installed; not yet sharded by FSDP2; the same
+    weights on every tp rank (they are sliced, not communicated). Creates new Parameter
+    objects: build the optimizer afterwards. Returns the number of layers split.
+    Raises ValueError naming every head count the tp size does not divide.
+    """
+    parts = qwen35_parts(model)
+    config = model.config.get_text_config()
+    tp = tp_mesh.size()
+    group = tp_mesh.get_group()
+    check_divisible(config, tp)
+    for layer in parts.decoder_layers:
+        _split_module(layer, _layouts(layer, config), tp_mesh)
+        if layer.block_type == "linear_attention":
+            gdn = layer.linear_attn
+            gdn.num_v_heads //= tp
+            gdn.num_k_heads //= tp
+            gdn.key_dim //= tp
+            gdn.value_dim //= tp
+            gdn.conv_dim //= tp
+            mixer = gdn
+            norms = [gdn.norm]
+        else:
+            mixer = layer.self_attn
+            norms = [mixer.q_norm, mixer.k_norm]
+        for norm in norms:
+            norm.__class__ = TensorParallelRMSNormGated if isinstance(norm, hf.Qwen3_5RMSNormGated) else TensorParallelRMSNorm
+            setattr(norm, TP_GROUP_ATTR, group)
+        for block in (mixer, layer.mlp):
+            block.register_forward_pre_hook(_input_hook(group), with_kwargs=True)
+            block.register_forward_hook(_output_hook(group), with_kwargs=True)
+    return len(parts.decoder_layers)
+
+
+# ------------------------------------------------------------------ vocab-parallel lm_head
+
+
+def check_vocab_parallel(model: nn.Module, tp: int) -> None:
+    """ValueError if the lm_head cannot be split by vocab over `tp` ranks (tied to the
+    input embedding, or a vocab size tp does not divide)."""
+    parts = qwen35_parts(model)
+    weight = parts.lm_head.weight
+    if weight is parts.embed_tokens.weight:
+        raise ValueError(
+            "a vocab-parallel lm_head needs untied embeddings (tie_word_embeddings=False): the input embedding "
+            "shares its weight and stays replicated"
+        )
+    if weight.shape[0] % tp:
+        raise ValueError(f"a vocab-parallel lm_head needs tp size {tp} to divide the vocab size {weight.shape[0]}")
+
+
+def apply_vocab_parallel_lm_head(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split the lm_head by vocab rows over `tp_mesh` and install `VocabParallelCausalLMLoss`.
+
+    Each rank computes logits for its V / tp vocab entries only ([…, V / tp], what the
+    model returns as `logits`: `gather_vocab_parallel_logits` assembles them) and the
+    loss combines the slices without gathering them: the lm_head's activations and the
+    loss's fp32 logits shrink by tp. The state dict keeps the full Transformers layout.
+    Preconditions: as `apply_tensor_parallel`; see `check_vocab_parallel`.
+    """
+    check_vocab_parallel(model, tp_mesh.size())
+    group = tp_mesh.get_group()
+    lm_head = qwen35_parts(model).lm_head
+    _split_module(lm_head, {name: _rows(p.shape[0]) for name, p in lm_head.named_parameters(recurse=False)}, tp_mesh)
+    lm_head.register_forward_pre_hook(_input_hook(group), with_kwargs=True)
+    setattr(model, VOCAB_GROUP_ATTR, group)
+    model.loss_function = VocabParallelCausalLMLoss(group)
+
+
+@torch.no_grad()
+def gather_vocab_parallel_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """The full-vocab logits from this rank's slice (collective over tp; no autograd).
+    Returns `logits` unchanged if the model's lm_head is not vocab-parallel."""
+    group = getattr(model, VOCAB_GROUP_ATTR, None)
+    if group is None:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)

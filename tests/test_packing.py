@@ -143,3 +143,14 @@ def test_packed_rows_under_fsdp2_and_tensor_parallelism_equal_the_documents_alon
     from _dist import run_world
 
     run_world(_parallel_packing_worker, dp * tp, dp, tp)
+
+
+def test_image_rows_are_not_mistaken_for_packed_rows():
+    """Qwen3.5's multimodal rotary positions repeat over an image's tokens and jump after
+    it; they are not document boundaries (Transformers reads none from them either)."""
+    from qwen35_accel.testing.tiny import build_tiny_vlm, random_vlm_batch
+
+    reference, model = build_tiny_vlm(seed=0), build_tiny_vlm(seed=0)
+    install_fp32_gate(model)
+    batch = random_vlm_batch(reference.config, 2, 16, seed=0)
+    assert_close(model(**batch).loss, reference(**batch).loss, "loss of rows with an image")

@@ -69,9 +69,13 @@ def _from_starts(starts: torch.Tensor) -> DocumentLayout:
     return DocumentLayout(cu, int((cu[1:] - cu[:-1]).max()))
 
 
-def _text_positions(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
-    """[batch, seq] text positions from 2-D ids or Qwen3.5's [3 or 4, batch, seq] ids."""
+def _text_positions(position_ids: torch.Tensor, batch: int) -> torch.Tensor | None:
+    """[batch, seq] text positions, as Qwen3.5's text model reads them: 2-D ids, or row 0
+    of [4, batch, seq] ids; [3, batch, seq] ids are multimodal rotary positions only
+    (image tokens share positions), which say nothing about documents: None."""
     if position_ids.dim() == 3:
+        if position_ids.shape[0] != 4:
+            return None
         position_ids = position_ids[0]
     return position_ids.expand(batch, -1)
 
@@ -99,8 +103,9 @@ def document_layout(
     `cu_seq_lens_q` must run from 0 to `batch * seq_len` in increasing steps.
     """
     layouts: dict[str, torch.Tensor] = {}
-    if position_ids is not None:
-        layouts["position_ids"] = starts_from_position_ids(_text_positions(position_ids, batch))
+    text_positions = _text_positions(position_ids, batch) if position_ids is not None else None
+    if text_positions is not None:
+        layouts["position_ids"] = starts_from_position_ids(text_positions)
     for name, cu in (("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k)):
         if cu is None:
             continue

@@ -36,7 +36,6 @@ def tiny_text_config(*, tie_word_embeddings: bool = False, num_hidden_layers: in
         tie_word_embeddings=tie_word_embeddings,
         max_position_embeddings=4096,
         pad_token_id=0,
-        use_cache=False,
     )
     kwargs.update(overrides)
     config = Qwen3_5TextConfig(**kwargs)

@@ -43,16 +43,6 @@ class DocumentLayout:
     cu_seq_lens: torch.Tensor
     max_length: int
 
-    @property
-    def lengths(self) -> list[int]:
-        return (self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]).tolist()
-
-    def starts(self, batch: int, seq_len: int) -> torch.Tensor:
-        """[batch, seq_len] bool: True at each document's first token."""
-        flags = torch.zeros(batch * seq_len, dtype=torch.bool, device=self.cu_seq_lens.device)
-        flags[self.cu_seq_lens[:-1].long()] = True
-        return flags.view(batch, seq_len)
-
     def position_ids(self, batch: int, seq_len: int) -> torch.Tensor:
         """[batch, seq_len] long: 0, 1, … within each document."""
         index = torch.arange(batch * seq_len, device=self.cu_seq_lens.device)

@@ -18,7 +18,7 @@ from .parallel.context_parallel.layout import check_divisible, pad_for_context_p
 
 IGNORE_INDEX = -100
 
-__all__ = ["shard_batch", "gather_sequence", "sharded_buffers"]
+__all__ = ["shard_batch", "gather_sequence", "sharded_buffers", "pad_batch_for_context_parallel"]
 
 
 def _check_right_padding(attention_mask: torch.Tensor) -> None:
@@ -31,14 +31,56 @@ def _check_right_padding(attention_mask: torch.Tensor) -> None:
         )
 
 
-def _check_not_packed(position_ids: torch.Tensor) -> None:
-    # Only text positions [batch, seq] are checked: multimodal RoPE positions legitimately
-    # stand still or jump across image tokens.
-    if position_ids.dim() == 2 and (position_ids[:, 1:] - position_ids[:, :-1] != 1).any():
-        raise ValueError(
-            "position_ids restart or jump inside a row (packed sequences); context parallelism does not support packed "
-            "sequences yet. Disable packing (e.g. padding-free collators) for CP runs."
-        )
+_PAD_VALUES = {"input_ids": 0, "labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0}
+
+
+def pad_batch_for_context_parallel(batch: dict[str, Any], cp: int) -> dict[str, Any]:
+    """`batch` right-padded along the sequence to a multiple of 2·cp (a new dict; the
+    same one when nothing is missing).
+
+    Pads `input_ids` (0), `inputs_embeds` (0), `labels`/`shift_labels` (−100),
+    `attention_mask` (0); `position_ids` ([batch, seq] or [k, batch, seq]) continue each
+    row's last position, so padded tokens extend the last document of a packed row and
+    nothing before them changes (causality). The packed-row forms follow: `cu_seq_lens_q`/
+    `cu_seq_lens_k` (offsets in the flattened batch) are rebuilt for the padded rows,
+    `max_length_q`/`max_length_k` updated, `seq_idx` continues each row's last index.
+    """
+    tokens = batch["input_ids"] if batch.get("input_ids") is not None else batch["inputs_embeds"]
+    rows, seq = tokens.shape[:2]
+    pad = (-seq) % (2 * cp)
+    if pad == 0:
+        return batch
+    out = dict(batch)
+    for key, fill in (*_PAD_VALUES.items(), ("inputs_embeds", 0)):
+        if out.get(key) is not None:
+            out[key] = pad_for_context_parallel(out[key], cp, 1, fill)
+    position_ids = out.get("position_ids")
+    if position_ids is not None:
+        extra = position_ids[..., -1:] + torch.arange(1, pad + 1, device=position_ids.device)
+        out["position_ids"] = torch.cat([position_ids, extra], dim=-1)
+    if out.get("seq_idx") is not None:
+        seq_idx = out["seq_idx"].view(rows, seq)
+        out["seq_idx"] = torch.cat([seq_idx, seq_idx[:, -1:].expand(rows, pad)], dim=1)
+    longest = None
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        cu = out.get(key)
+        if cu is None:
+            continue
+        flat = cu.flatten().long()
+        if int(flat[-1]) != rows * seq:
+            raise ValueError(f"{key} must end at the number of tokens in the batch ({rows} x {seq} = {rows * seq}); got {int(flat[-1])}")
+        old = torch.zeros(rows * seq, dtype=torch.bool, device=cu.device)
+        old[flat[:-1]] = True
+        starts = torch.zeros(rows, seq + pad, dtype=torch.bool, device=cu.device)
+        starts[:, :seq] = old.view(rows, seq)
+        offsets = torch.nonzero(starts.reshape(-1)).flatten()
+        new_cu = torch.cat([offsets, offsets.new_tensor([rows * (seq + pad)])]).to(cu.dtype)
+        out[key] = new_cu
+        longest = int((new_cu[1:] - new_cu[:-1]).max())
+    for key in ("max_length_q", "max_length_k"):
+        if out.get(key) is not None and longest is not None:
+            out[key] = longest
+    return out
 
 
 def shard_batch(batch: dict[str, Any], cp_mesh: DeviceMesh) -> dict[str, Any]:
@@ -49,35 +91,46 @@ def shard_batch(batch: dict[str, Any], cp_mesh: DeviceMesh) -> dict[str, Any]:
     Returns the same keys sharded along the sequence, plus `position_ids` holding global
     positions (arange when absent) and `shift_labels` (labels shifted left, −100 at the
     end) when `labels` is given, since the next token of a chunk's last token lives on
-    another rank. Lengths not divisible by 2·cp are right-padded (pad id 0, labels −100,
-    mask 0). Other keys are passed through unchanged.
-    Raises ValueError for left padding and packed sequences (position_ids restarting).
+    another rank. Lengths not divisible by 2·cp are right-padded
+    (`pad_batch_for_context_parallel`). Other keys are passed through unchanged.
+
+    Packed rows (several documents per row: `position_ids` restarting, `cu_seq_lens_q`/
+    `cu_seq_lens_k`, `seq_idx`) are accepted: the forms are checked to agree,
+    `position_ids` restarting per document are added when only the others were given,
+    and `cu_seq_lens_*`/`seq_idx` stay whole-row (padded, not sharded), as the model
+    under CP reads them. Raises ValueError for left padding and forms that disagree.
     """
+    from .model.packing import document_layout
+
     cp = cp_mesh.size()
     rank = cp_mesh.get_local_rank()
     input_ids = batch["input_ids"]
-    seq = input_ids.shape[1]
+    rows, seq = input_ids.shape
     out = dict(batch)
     if batch.get("attention_mask") is not None:
         _check_right_padding(batch["attention_mask"])
-    position_ids = batch.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(seq, device=input_ids.device).expand(input_ids.shape[0], seq)
-    else:
-        _check_not_packed(position_ids)
+    layout = document_layout(
+        rows,
+        seq,
+        position_ids=batch.get("position_ids"),
+        cu_seq_lens_q=batch.get("cu_seq_lens_q"),
+        cu_seq_lens_k=batch.get("cu_seq_lens_k"),
+        seq_idx=batch.get("seq_idx"),
+    )
+    if out.get("position_ids") is None:
+        if layout is not None:
+            out["position_ids"] = layout.position_ids(rows, seq)
+        else:
+            out["position_ids"] = torch.arange(seq, device=input_ids.device).expand(rows, seq)
     if batch.get("labels") is not None and batch.get("shift_labels") is None:
         labels = batch["labels"]
         out["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
-
-    for key, fill in (("input_ids", 0), ("labels", IGNORE_INDEX), ("shift_labels", IGNORE_INDEX), ("attention_mask", 0)):
+    out = pad_batch_for_context_parallel(out, cp)
+    for key in (*_PAD_VALUES, "inputs_embeds"):
         if out.get(key) is not None:
-            out[key] = shard_sequence(pad_for_context_parallel(out[key], cp, 1, fill), cp, rank, 1)
-    seq_dim = position_ids.dim() - 1
-    pad = (-seq) % (2 * cp)
-    # Padded positions continue the sequence, so rotary stays finite and causal order holds.
-    extra = position_ids[..., -1:] + torch.arange(1, pad + 1, device=position_ids.device)
-    padded = torch.cat([position_ids, extra], dim=seq_dim)
-    out["position_ids"] = shard_sequence(padded, cp, rank, seq_dim)
+            out[key] = shard_sequence(out[key], cp, rank, 1)
+    position_ids = out["position_ids"]
+    out["position_ids"] = shard_sequence(position_ids, cp, rank, position_ids.dim() - 1)
     return out
 
 

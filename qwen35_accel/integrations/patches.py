@@ -114,6 +114,12 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "Trainer holds its own reference to Accelerate's function)",
     ),
     PatchPoint(
+        "transformers.trainer", "Trainer._prepare_context_parallel_inputs", step_hooks.prepare_context_parallel_inputs,
+        TRANSFORMERS,
+        "dense Qwen3.5 under cp > 1: the batch is right-padded to a multiple of 2*cp first (padding-free collators "
+        "make rows of any length; stock leaves that to the collator)",
+    ),
+    PatchPoint(
         "transformers.trainer", "Trainer.save_model", checkpoints.trainer_save_model, TRANSFORMERS,
         "dense Qwen3.5 under FSDP2 with a sharded state dict type: the explicit save_model writes a Hugging Face "
         "checkpoint from the gathered weights (stock writes no weights at all)",

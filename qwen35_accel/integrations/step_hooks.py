@@ -1,5 +1,5 @@
-"""Per-step patch points: the step's context-parallel batch sharding and gradient clipping
-under tensor parallelism."""
+"""Per-step patch points: the step's context-parallel batch padding and sharding, and
+gradient clipping under tensor parallelism."""
 
 from __future__ import annotations
 
@@ -29,6 +29,25 @@ def maybe_context_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
 
         with sharded_buffers(buffers or [], buffer_seq_dims, no_restore_buffers, cp_mesh):
             yield
+
+    return wrapper
+
+
+def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`Trainer._prepare_context_parallel_inputs`: under our cp, pad the batch to a multiple
+    of 2·cp first (padding-free collators such as `DataCollatorWithFlattening` make rows of
+    any length; only here are the keys, and so each buffer's pad value, known)."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, model: Any, inputs: dict[str, Any]) -> Any:
+        cp_mesh = getattr(getattr(self, "accelerator", None), "_qwen35_cp_mesh", None)
+        if cp_mesh is not None and isinstance(inputs, dict) and (
+            inputs.get("input_ids") is not None or inputs.get("inputs_embeds") is not None
+        ):
+            from ..context_parallel import pad_batch_for_context_parallel
+
+            inputs = pad_batch_for_context_parallel(inputs, cp_mesh.size())
+        return original(self, model, inputs)
 
     return wrapper
 

@@ -164,10 +164,14 @@ def _cp_bad_input_worker(rank: int, world: int) -> None:
     hole[0, 4:8] = 0
     with pytest.raises(ValueError, match="right padding only"):
         model(input_ids=ids, position_ids=local(positions), attention_mask=local(hole))
-    # Packed rows: positions restart where a chunk begins.
+    # Packed rows whose forms disagree (positions restart at 8, cu_seq_lens at 6): every
+    # rank raises, also those whose own tokens hold no boundary of either form.
     packed = torch.cat([torch.arange(8), torch.arange(8)]).expand(2, 16)
-    with pytest.raises(ValueError, match="packed sequences"):
-        model(input_ids=ids, position_ids=local(packed))
+    cu = torch.tensor([0, 6, 16, 22, 32], dtype=torch.int32)
+    with pytest.raises(ValueError, match="position_ids and cu_seq_lens_q describe different document boundaries"):
+        model(input_ids=ids, position_ids=local(packed), cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q must start at 0 and end at .* \(2 x 16 = 32\)"):  # a sharded one
+        model(input_ids=ids, position_ids=local(packed), cu_seq_lens_q=torch.tensor([0, 8, 16], dtype=torch.int32))
     # And the good case still runs after the refusals (no collective was left pending).
     right = torch.ones(2, 16, dtype=torch.long)
     right[1, 13:] = 0

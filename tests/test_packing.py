@@ -113,9 +113,7 @@ def _parallel_packing_worker(rank: int, world: int, dp: int, tp: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from _parity import full
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
 
     mesh = init_device_mesh("cpu", (1, dp, 1, tp), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
@@ -129,12 +127,20 @@ def _parallel_packing_worker(rank: int, world: int, dp: int, tp: int) -> None:
         assert_close(out.logits, want_logits, "logits")
     out.loss.backward()
     want_loss.backward()
+    # fp32 rtol 1e-5 / atol 1e-6: FSDP2 averages the ranks' equal gradients, TP sums slices.
+    _assert_parallel_grads(model, reference, tp, f"dp {dp} x tp {tp}")
+    dist.barrier()
+
+
+def _assert_parallel_grads(model, reference, tp: int, where: str) -> None:
+    """Every gradient (FSDP2-gathered, or TP slices gathered) equals the reference's."""
+    from _parity import full
+    from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
+
     ref = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         grad = gather_tensor_parallel(model, name, p.grad) if tp > 1 else full(p.grad)
-        # fp32 rtol 1e-5 / atol 1e-6: FSDP2 averages the ranks' equal gradients, TP sums slices.
-        assert_close(grad, ref[hf_name(name)].grad, f"grad of {name}, dp {dp} x tp {tp}")
-    dist.barrier()
+        assert_close(grad, ref[hf_name(name)].grad, f"grad of {name}, {where}")
 
 
 @pytest.mark.multiprocess
@@ -154,3 +160,64 @@ def test_image_rows_are_not_mistaken_for_packed_rows():
     install_fp32_gate(model)
     batch = random_vlm_batch(reference.config, 2, 16, seed=0)
     assert_close(model(**batch).loss, reference(**batch).loss, "loss of rows with an image")
+
+
+# Under CP: 138 tokens padded to 140 (cp 2, chunks of 35) or 144 (cp 4, chunks of 18).
+# Documents straddle chunk and rank boundaries; a 3-token document straddles token 54
+# (a cp-4 chunk start), single-token documents sit at token 36 and at 72 (a cp-4 chunk
+# start), and at cp 2 a chunk starts with the last token of a document.
+CP_LENGTHS = [20, 16, 1, 2, 14, 3, 16, 1, 45, 20]
+
+
+def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import gather_sequence, shard_batch
+
+    mesh = init_device_mesh("cpu", (1, dp, cp, tp), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    reference, model = _models()
+    PARALLELIZER.apply(model, mesh)
+    vocab = reference.config.vocab_size
+    # Each dp replica its own row (the same lengths in another order, so every replica's
+    # loss has the same number of predictions and the oracle is the mean of theirs).
+    rows = [packed_documents(CP_LENGTHS[r:] + CP_LENGTHS[:r], vocab, seed=10 + r) for r in range(dp)]
+    replica = mesh["dp_shard"].get_local_rank()
+    batch, documents = rows[replica]
+    oracle = [_oracle(reference, docs) for _, docs in rows]
+    want_loss = sum(loss for _, loss in oracle) / dp
+    want_loss.backward()
+    seq = batch["input_ids"].shape[1]
+    cu = torch.tensor([0, *torch.tensor([d.shape[1] for d in documents]).cumsum(0).tolist()], dtype=torch.int32)
+    forms = {
+        "position_ids": batch,
+        "cu_seq_lens": {"input_ids": batch["input_ids"], "labels": batch["labels"], "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+                        "max_length_q": max(CP_LENGTHS), "max_length_k": max(CP_LENGTHS)},
+    }
+    for form, whole in forms.items():
+        model.zero_grad(set_to_none=True)
+        out = model(**shard_batch(whole, mesh["cp"]))
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh["dp_shard"].get_group())
+        where = f"{form}, dp {dp} x cp {cp} x tp {tp}"
+        assert_close(loss, want_loss.detach(), f"loss, {where}")
+        if tp == 1:
+            logits = gather_sequence(out.logits.detach(), mesh["cp"])[:, :seq]
+            assert_close(logits, oracle[replica][0].detach(), f"logits, {where}")
+        out.loss.backward()
+        # fp32 rtol 1e-5 / atol 1e-6: the chunk summaries fold the recurrence in another
+        # order than one pass over each document; FSDP2 averages, TP sums slices.
+        _assert_parallel_grads(model, reference, tp, where)
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "dp,cp,tp", [(1, 2, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)], ids=["cp2", "cp4", "dp2xcp2", "cp2xtp2"]
+)
+def test_packed_rows_under_context_parallelism_equal_the_documents_alone(dp, cp, tp):
+    from _dist import run_world
+
+    run_world(_cp_packing_worker, dp * cp * tp, dp, cp, tp)

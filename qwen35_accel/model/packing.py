@@ -59,7 +59,7 @@ def _from_starts(starts: torch.Tensor) -> DocumentLayout:
     return DocumentLayout(cu, int((cu[1:] - cu[:-1]).max()))
 
 
-def _text_positions(position_ids: torch.Tensor, batch: int) -> torch.Tensor | None:
+def text_positions(position_ids: torch.Tensor, batch: int) -> torch.Tensor | None:
     """[batch, seq] text positions, as Qwen3.5's text model reads them: 2-D ids, or row 0
     of [4, batch, seq] ids; [3, batch, seq] ids are multimodal rotary positions only
     (image tokens share positions), which say nothing about documents: None."""
@@ -93,9 +93,9 @@ def document_layout(
     `cu_seq_lens_q` must run from 0 to `batch * seq_len` in increasing steps.
     """
     layouts: dict[str, torch.Tensor] = {}
-    text_positions = _text_positions(position_ids, batch) if position_ids is not None else None
-    if text_positions is not None:
-        layouts["position_ids"] = starts_from_position_ids(text_positions)
+    text = text_positions(position_ids, batch) if position_ids is not None else None
+    if text is not None:
+        layouts["position_ids"] = starts_from_position_ids(text)
     for name, cu in (("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k)):
         if cu is None:
             continue

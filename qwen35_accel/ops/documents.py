@@ -10,17 +10,29 @@ the padded work stays within one `multiple` per document.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
 
 
-def document_groups(cu_seq_lens: torch.Tensor, multiple: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(token index [n, P] long, valid [n, P] bool) per group of documents padded to P.
+@dataclasses.dataclass(frozen=True)
+class DocumentGroup:
+    """Documents of one padded length P: `members` [n] long (document numbers), `index`
+    [n, P] long (token of each slot; 0 where not `valid`), `valid` [n, P] bool."""
 
-    `cu_seq_lens` [documents + 1]: document offsets in the flattened tokens. P is a
-    multiple of `multiple`; index entries where `valid` is False point at token 0.
-    """
+    members: torch.Tensor
+    index: torch.Tensor
+    valid: torch.Tensor
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, ...] -> [n, P, ...], zeros after each document."""
+        return torch.where(self.valid.view(*self.valid.shape, *([1] * (x.dim() - 1))), x[self.index], 0)
+
+
+def document_groups(cu_seq_lens: torch.Tensor, multiple: int = 64) -> list[DocumentGroup]:
+    """The documents of `cu_seq_lens` [documents + 1] (offsets in the flattened tokens),
+    grouped by their length rounded up to `multiple`."""
     cu = cu_seq_lens.long()
     starts, lengths = cu[:-1], cu[1:] - cu[:-1]
     padded = (lengths + multiple - 1) // multiple * multiple
@@ -30,7 +42,7 @@ def document_groups(cu_seq_lens: torch.Tensor, multiple: int = 64) -> list[tuple
         offsets = torch.arange(size, device=cu.device)
         valid = offsets[None, :] < lengths[members, None]
         index = torch.where(valid, starts[members, None] + offsets[None, :], 0)
-        groups.append((index, valid))
+        groups.append(DocumentGroup(members, index, valid))
     return groups
 
 
@@ -47,13 +59,35 @@ def per_document(
     `fn(*padded)` takes them as [n, P, ...] (n documents padded to P, zeros after each)
     and returns [n, P, ...]. Returns [tokens, ...] in `fn`'s output dtype. Differentiable.
     """
+    return per_document_with_state(lambda *x: (fn(*x), None), inputs, cu_seq_lens, multiple=multiple)[0]
+
+
+def per_document_with_state(
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    inputs: Sequence[torch.Tensor],
+    cu_seq_lens: torch.Tensor,
+    *,
+    multiple: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As `per_document`, for an `fn` that also returns one tensor per document.
+
+    `fn(*padded)` returns (per token [n, P, ...], per document [n, ...] or None); returns
+    (per token [tokens, ...], per document [documents, ...] in document order, or None).
+    For a causal op the per-document result must not depend on the zeros after the
+    document (a final recurrent state: the padding's zero beta and zero log-decay leave it unchanged).
+    """
     tokens = inputs[0].shape[0]
+    documents = cu_seq_lens.numel() - 1
     out: torch.Tensor | None = None
-    for index, valid in document_groups(cu_seq_lens, multiple):
-        padded = [torch.where(valid.view(*valid.shape, *([1] * (x.dim() - 1))), x[index], 0) for x in inputs]
-        result = fn(*padded)
+    states: torch.Tensor | None = None
+    for group in document_groups(cu_seq_lens, multiple):
+        result, state = fn(*(group.gather(x) for x in inputs))
         if out is None:
             out = result.new_zeros(tokens, *result.shape[2:])
-        out = out.index_copy(0, index[valid], result[valid])
+        out = out.index_copy(0, group.index[group.valid], result[group.valid])
+        if state is not None:
+            if states is None:
+                states = state.new_zeros(documents, *state.shape[1:])
+            states = states.index_copy(0, group.members, state)
     assert out is not None, "cu_seq_lens holds no document"
-    return out
+    return out, states

@@ -20,6 +20,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from .collectives import all_gather_with_grad
+from .documents import DOCUMENTS_KWARG, ShardedDocuments
 from .layout import rank_chunks, unshard_sequence
 
 # Attention implementations whose causal alignment is exact here: SDPA with a lower-right
@@ -47,6 +48,25 @@ def _sdpa_causal_lower_right(
     )
 
 
+def _document_mask(query_index: torch.Tensor, doc_start: torch.Tensor, first_key: int, end: int) -> torch.Tensor:
+    """[batch, 1, queries, end − first_key] bool: query i (global index `query_index[i]`,
+    document starting at `doc_start[:, i]`) sees keys from its document's start to itself."""
+    keys = torch.arange(first_key, end, device=query_index.device)
+    return ((keys[None, None, :] >= doc_start[:, :, None]) & (keys[None, None, :] <= query_index[None, :, None]))[:, None]
+
+
+def _sdpa_documents(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_index: torch.Tensor, doc_start: torch.Tensor, dropout: float, scaling: float
+) -> torch.Tensor:
+    """SDPA of queries over keys `first_key = doc_start.min()` … end of `k`, each query
+    within its document (the mask is built here, so a checkpoint keeps only the indices)."""
+    first_key = int(doc_start.min())
+    mask = _document_mask(query_index, doc_start, first_key, first_key + k.shape[2])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
 def cp_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -57,12 +77,15 @@ def cp_attention(
     implementation: str,
     scaling: float,
     dropout: float = 0.0,
+    documents: ShardedDocuments | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sharded sequence.
 
     `query` [batch, heads, local_seq, head_dim], `key`/`value` [batch, kv_heads,
-    local_seq, head_dim], local tokens in layout order (two equal chunks). Returns
+    local_seq, head_dim], local tokens in layout order (two equal chunks). With
+    `documents` (packed rows) a query sees only the keys of its own document, and keys
+    before the earliest document start among a chunk's queries are not computed. Returns
     [batch, local_seq, heads, head_dim] like Transformers' attention functions.
     Communication: one all-gather of K and V ([2, batch, kv_heads, local_seq, head_dim]
     per rank) and its reduction in backward.
@@ -80,20 +103,30 @@ def cp_attention(
     outputs = []
     for slot, chunk_index in enumerate(rank_chunks(rank, cp)):
         end = (chunk_index + 1) * chunk_len
-        q = query[:, :, slot * chunk_len : (slot + 1) * chunk_len]
-        k, v = full_key[:, :, :end], full_value[:, :, :end]
+        part = slice(slot * chunk_len, (slot + 1) * chunk_len)
+        q = query[:, :, part]
+        first_key = 0 if documents is None else int(documents.doc_start[:, part].min())
+        k, v = full_key[:, :, first_key:end], full_value[:, :, first_key:end]
         if implementation == "sdpa":
+            if documents is None:
+                attend, args = _sdpa_causal_lower_right, (q, k, v, dropout, scaling)
+            else:
+                attend, args = _sdpa_documents, (q, k, v, documents.index[part], documents.doc_start[:, part], dropout, scaling)
             if q.device.type == "cpu" and torch.is_grad_enabled() and dropout == 0.0:
                 # The CPU kernels materialise the [chunk, keys] mask and keep it for backward
                 # until then; recomputing the attention in backward keeps only q, k, v.
-                out = torch.utils.checkpoint.checkpoint(_sdpa_causal_lower_right, q, k, v, dropout, scaling, use_reentrant=False)
+                out = torch.utils.checkpoint.checkpoint(attend, *args, use_reentrant=False)
             else:
-                out = _sdpa_causal_lower_right(q, k, v, dropout, scaling)
+                out = attend(*args)
             outputs.append(out.transpose(1, 2))
         else:
             interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(implementation, hf.eager_attention_forward)
-            mask = _chunk_mask(chunk_len, chunk_index, query.dtype, query.device)
-            out, _ = interface(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
+            if documents is None:
+                additive = _chunk_mask(chunk_len, chunk_index, query.dtype, query.device)
+            else:
+                mask = _document_mask(documents.index[part], documents.doc_start[:, part], first_key, end)
+                additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, torch.finfo(query.dtype).min)
+            out, _ = interface(module, q, k, v, additive, dropout=dropout, scaling=scaling, **kwargs)
             outputs.append(out)
     return torch.cat(outputs, dim=1)
 
@@ -144,6 +177,7 @@ class ContextParallelAttention(hf.Qwen3_5Attention):
             implementation=self.config._attn_implementation,
             scaling=self.scaling,
             dropout=0.0 if not self.training else self.attention_dropout,
+            documents=kwargs.pop(DOCUMENTS_KWARG, None),
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()

@@ -18,9 +18,26 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
+from ...ops.documents import per_document_with_state
 from ...ops.gated_delta import Kernel, chunk_summary, fold_states, read_state
 from .collectives import all_gather_with_grad
+from .documents import DOCUMENTS_KWARG, ShardedDocuments
 from .layout import chunk_owner, rank_chunks
+
+
+def _incoming_states(local: torch.Tensor, group: dist.ProcessGroup, k_dim: int) -> list[torch.Tensor]:
+    """States entering each of the 2·cp chunks, from this rank's two chunk summaries
+    `local` [2, batch, v_heads, k_dim, k_dim + v_dim] (`[M | U]`, slots in layout order):
+    one all-gather, then every rank folds all summaries in sequence order."""
+    cp = dist.get_world_size(group)
+    gathered = all_gather_with_grad(local, group)  # [cp, 2, …]
+    transitions, updates = [], []
+    for chunk in range(2 * cp):
+        owner, slot = chunk_owner(chunk, cp)
+        M, U = gathered[owner, slot].split([k_dim, gathered.shape[-1] - k_dim], dim=-1)
+        transitions.append(M)
+        updates.append(U)
+    return fold_states(transitions, updates)
 
 
 def cp_gated_delta_rule(
@@ -33,6 +50,7 @@ def cp_gated_delta_rule(
     group: dist.ProcessGroup,
     use_qk_l2norm: bool = True,
     kernel: Kernel | None = None,
+    documents: ShardedDocuments | None = None,
 ) -> torch.Tensor:
     """The chunked gated delta rule over a sequence sharded across `group` (cp ranks).
 
@@ -40,27 +58,90 @@ def cp_gated_delta_rule(
     halves): `query`, `key` [batch, local_seq, k_heads, k_dim], `value` [batch,
     local_seq, v_heads, v_dim], `g`, `beta` [batch, local_seq, v_heads]. Returns the
     output [batch, local_seq, v_heads, v_dim] in `value`'s dtype, equal to the
-    single-process rule on the whole sequence (zero initial state). Communication: one
-    all-gather of 2 × [batch, v_heads, k_dim, k_dim + v_dim] fp32 per rank (and its
-    reduce in backward).
+    single-process rule on the whole sequence (zero initial state). With `documents`
+    (packed rows) every document starts from a zero state, wherever it lies.
+    Communication: one all-gather of 2 × [batch, v_heads, k_dim, k_dim + v_dim] fp32 per
+    rank (and its reduce in backward).
     """
-    cp = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    if documents is not None:
+        return _cp_packed_gated_delta_rule(
+            query, key, value, g, beta, documents, group=group, use_qk_l2norm=use_qk_l2norm, kernel=kernel
+        )
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
     halves = [t.chunk(2, dim=1) for t in (query, key, value, g, beta)]
     summaries = [chunk_summary(*(h[slot] for h in halves), use_qk_l2norm=use_qk_l2norm, kernel=kernel) for slot in (0, 1)]
-    # [2, batch, v_heads, k_dim, k_dim + v_dim] -> gathered [cp, 2, …]
     local = torch.stack([torch.cat([M, U], dim=-1) for _, _, M, U in summaries])
-    gathered = all_gather_with_grad(local, group)
-    k_dim = key.shape[-1]
-    transitions, updates = [], []
-    for chunk in range(2 * cp):
-        owner, slot = chunk_owner(chunk, cp)
-        M, U = gathered[owner, slot].split([k_dim, gathered.shape[-1] - k_dim], dim=-1)
-        transitions.append(M)
-        updates.append(U)
-    states = fold_states(transitions, updates)
+    states = _incoming_states(local, group, key.shape[-1])
     outputs = [read_state(o0, w, states[chunk]) for (o0, w, _, _), chunk in zip(summaries, rank_chunks(rank, cp))]
     return torch.cat(outputs, dim=1).to(value.dtype)
+
+
+def _cp_packed_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    documents: ShardedDocuments,
+    *,
+    group: dist.ProcessGroup,
+    use_qk_l2norm: bool,
+    kernel: Kernel | None,
+) -> torch.Tensor:
+    """`cp_gated_delta_rule` for packed rows (shapes as there).
+
+    Each local chunk is cut into pieces at document starts; every piece is summarised
+    alone (pieces grouped by length, as `ops.documents` does). Only a chunk's first piece
+    can continue a document from before, so only it reads the incoming state (w ≠ 0),
+    and the chunk passes its incoming state on (M = the piece's M) only when that piece
+    is the whole chunk and not a start; otherwise M = 0 and U is the last piece's state.
+    """
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    batch, local_seq, v_heads, v_dim = value.shape
+    k_dim, half = key.shape[-1], local_seq // 2
+    starts = documents.starts
+    cuts = starts.clone()
+    cuts[:, 0] = cuts[:, half] = True
+    offsets = torch.nonzero(cuts.reshape(-1)).flatten()
+    cu = torch.cat([offsets, offsets.new_tensor([batch * local_seq])])
+
+    def summarise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_: torch.Tensor, b: torch.Tensor):
+        o0, w, M, U = chunk_summary(q, k, v, g_, b, use_qk_l2norm=use_qk_l2norm, kernel=kernel)
+        return torch.cat([o0, w], dim=-1), torch.cat([M, U], dim=-1)
+
+    flat = [t.reshape(batch * local_seq, *t.shape[2:]) for t in (query, key, value, g, beta)]
+    per_token, per_piece = per_document_with_state(summarise, flat, cu)
+    assert per_piece is not None
+    o0, w = per_token.view(batch, local_seq, v_heads, v_dim + k_dim).split([v_dim, k_dim], dim=-1)
+    piece = cuts.reshape(-1).long().cumsum(0).view(batch, local_seq) - 1
+    first, last = piece[:, [0, half]], piece[:, [half - 1, local_seq - 1]]  # [batch, 2]
+    passes_on = (first == last) & ~starts[:, [0, half]]
+    M = per_piece[first][..., :k_dim] * passes_on[..., None, None, None]
+    U = per_piece[last][..., k_dim:]
+    states = _incoming_states(torch.cat([M, U], dim=-1).transpose(0, 1), group, k_dim)
+    outputs = []
+    for slot, chunk in enumerate(rank_chunks(rank, cp)):
+        part = slice(slot * half, (slot + 1) * half)
+        reads = (starts[:, part].long().cumsum(dim=1) == 0)[..., None, None]  # still in the chunk's first piece
+        outputs.append(read_state(o0[:, part], w[:, part] * reads, states[chunk]))
+    return torch.cat(outputs, dim=1).to(value.dtype)
+
+
+def _masked_causal_conv1d(padded: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv whose window stops at each token's document start.
+
+    `padded` [batch, channels, kernel − 1 + n] (the kernel − 1 inputs before the first
+    output, then n tokens), `weight` [channels, kernel], `offsets` [batch, n] (tokens since
+    the document's start). Tap j (j tokens back) counts only where offsets ≥ j: exactly a
+    zero-padded conv of each document alone. Returns [batch, channels, n] (no activation).
+    """
+    taps = weight.shape[-1]
+    n = padded.shape[-1] - (taps - 1)
+    out = padded.new_zeros(padded.shape[0], padded.shape[1], n) if bias is None else bias[None, :, None].expand(padded.shape[0], -1, n)
+    for back in range(taps):
+        x = padded[..., taps - 1 - back : taps - 1 - back + n]
+        out = out + weight[None, :, taps - 1 - back, None] * (x * (offsets >= back)[:, None, :].to(x.dtype))
+    return out
 
 
 def cp_causal_conv1d(
@@ -70,13 +151,15 @@ def cp_causal_conv1d(
     *,
     group: dist.ProcessGroup,
     activation: str | None = "silu",
+    documents: ShardedDocuments | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv1d over a sequence sharded across `group`.
 
     `x` [batch, channels, local_seq] (this rank's two chunks in layout order), `weight`
     [channels, kernel]. Each chunk is convolved with the last kernel−1 inputs that
     precede it in the whole sequence (zeros before the start), also when chunks are
-    shorter than the kernel. Communication: one all-gather of 2 × [batch, channels,
+    shorter than the kernel. With `documents` (packed rows) a window never reaches before
+    its token's document start. Communication: one all-gather of 2 × [batch, channels,
     min(chunk, kernel−1)] per rank. Returns [batch, channels, local_seq] in `x`'s dtype.
     """
     cp = dist.get_world_size(group)
@@ -86,14 +169,18 @@ def cp_causal_conv1d(
     tail = min(chunks[0].shape[-1], halo)
     gathered = all_gather_with_grad(torch.stack([c[..., c.shape[-1] - tail :] for c in chunks]), group)
     outputs = []
-    for chunk_index, chunk in zip(rank_chunks(rank, cp), chunks):
+    offsets = documents.offsets.chunk(2, dim=1) if documents is not None else (None, None)
+    for chunk_index, chunk, offset in zip(rank_chunks(rank, cp), chunks, offsets):
         # The halo: the last `halo` inputs of everything before this chunk; chunks shorter
         # than the halo need several predecessors.
         needed = -(-halo // tail) if tail else 0
         before = [gathered[chunk_owner(c, cp)] for c in range(max(0, chunk_index - needed), chunk_index)]
         context = torch.cat([x.new_zeros(*x.shape[:-1], halo), *before], dim=-1)[..., -halo:] if halo else x[..., :0]
         padded = torch.cat([context, chunk], dim=-1).to(weight.dtype)
-        out = F.conv1d(padded, weight.unsqueeze(1), bias, groups=x.shape[1])
+        if offset is None:
+            out = F.conv1d(padded, weight.unsqueeze(1), bias, groups=x.shape[1])
+        else:
+            out = _masked_causal_conv1d(padded, weight, bias, offset)
         if activation is not None:
             out = ACT2FN[activation](out)
         outputs.append(out.to(x.dtype))
@@ -120,8 +207,7 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
                 "GatedDeltaNet under context parallelism does not support a cache (generation); run generation on a "
                 "model without context parallelism."
             )
-        if kwargs.get("cu_seq_lens_q") is not None:
-            raise NotImplementedError("packed sequences (cu_seq_lens_q) are not supported under context parallelism")
+        # Packed rows arrive as `documents` (the CP pre-hook turns every form into it).
         # Right padding only (checked by shard_batch): zeroing padded tokens changes nothing
         # before them, exactly as in the single-process layer.
 
@@ -129,7 +215,12 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
         if self._cp_group is None:
             return super().conv(mixed_qkv, cache, kwargs)
         return cp_causal_conv1d(
-            mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, group=self._cp_group, activation=self.activation
+            mixed_qkv,
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            group=self._cp_group,
+            activation=self.activation,
+            documents=kwargs.get(DOCUMENTS_KWARG),
         )
 
     def core(
@@ -144,4 +235,4 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
     ) -> torch.Tensor:
         if self._cp_group is None:
             return super().core(query, key, value, g, beta, cache, kwargs)
-        return cp_gated_delta_rule(query, key, value, g, beta, group=self._cp_group)
+        return cp_gated_delta_rule(query, key, value, g, beta, group=self._cp_group, documents=kwargs.get(DOCUMENTS_KWARG))

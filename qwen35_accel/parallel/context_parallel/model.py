@@ -20,10 +20,12 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from ...model.detect import qwen35_parts
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
-from ...model.packing import SEQUENCE_SHARDED_ATTR
+from ...model.packing import SEQUENCE_SHARDED_ATTR, document_layout, text_positions
 from ..losses import VOCAB_GROUP_ATTR, CausalLMLoss
 from .attention import SUPPORTED_ATTENTION, ContextParallelAttention
+from .documents import DOCUMENTS_KWARG, ShardedDocuments, shard_documents
 from .gated_delta_net import ContextParallelGatedDeltaNet
+from .layout import chunk_owner, unshard_sequence
 
 CP_MESH_ATTR = "_qwen35_cp_mesh"
 
@@ -31,48 +33,64 @@ CP_MESH_ATTR = "_qwen35_cp_mesh"
 _UNSUPPORTED_INPUTS = {
     "pixel_values": "images",
     "pixel_values_videos": "videos",
-    "cu_seq_lens_q": "packed sequences (cu_seq_lens_q)",
 }
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
-def _layout_violations(
-    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, group: dist.ProcessGroup
-) -> tuple[bool, bool]:
-    """(left padding or holes, positions that jump) anywhere in the cp group's sequence.
-
-    Each rank summarises its two chunks (local violations, first/last mask and position of
-    each chunk); one small all-gather lets every rank check the chunk boundaries too, so
-    all ranks reach the same verdict (no rank raises alone and leaves the others waiting).
-    """
+def _padding_violation(attention_mask: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether a padded token precedes a real one (left padding or holes) anywhere in the
+    cp group's sequence. Each rank summarises its two chunks (a local violation, first and
+    last mask value of each); one small all-gather lets every rank check the chunk
+    boundaries too, so all ranks reach the same verdict (none raises alone and leaves the
+    others waiting)."""
     cp = dist.get_world_size(group)
-    rows = (attention_mask if attention_mask is not None else position_ids).shape[0]
-    device = (attention_mask if attention_mask is not None else position_ids).device
-    summary = torch.zeros(rows, 2, 6, dtype=torch.long, device=device)  # per chunk: bad_pad, bad_pos, mask0, maskN, pos0, posN
-    if attention_mask is not None:
-        halves = attention_mask.long().chunk(2, dim=1)
-        whole = attention_mask.long()
-        summary[:, 0, 0] = (whole[:, 1:] > whole[:, :-1]).any(dim=1).long()  # a 0 before a 1, in sequence order
-        for slot, half in enumerate(halves):
-            summary[:, slot, 2], summary[:, slot, 3] = half[:, 0], half[:, -1]
-    else:
-        summary[:, :, 2:4] = 1
-    if position_ids is not None and position_ids.dim() == 2:
-        for slot, half in enumerate(position_ids.long().chunk(2, dim=1)):
-            summary[:, slot, 1] = (half[:, 1:] - half[:, :-1] != 1).any(dim=1).long()
-            summary[:, slot, 4], summary[:, slot, 5] = half[:, 0], half[:, -1]
-    gathered = torch.empty(cp * rows, 2, 6, dtype=summary.dtype, device=device)
+    rows = attention_mask.shape[0]
+    mask = attention_mask.long()
+    summary = torch.zeros(rows, 2, 3, dtype=torch.long, device=mask.device)  # per chunk: bad, first, last
+    summary[:, 0, 0] = (mask[:, 1:] > mask[:, :-1]).any(dim=1).long()
+    for slot, half in enumerate(mask.chunk(2, dim=1)):
+        summary[:, slot, 1], summary[:, slot, 2] = half[:, 0], half[:, -1]
+    gathered = torch.empty(cp * rows, 2, 3, dtype=summary.dtype, device=mask.device)
     dist.all_gather_into_tensor(gathered, summary, group=group)
-    gathered = gathered.view(cp, rows, 2, 6)
-    from .layout import chunk_owner
+    gathered = gathered.view(cp, rows, 2, 3)
+    chunks = [gathered[owner, :, slot] for owner, slot in (chunk_owner(c, cp) for c in range(2 * cp))]  # sequence order
+    return bool(gathered[..., 0].any()) or any(bool((b[:, 1] > a[:, 2]).any()) for a, b in zip(chunks, chunks[1:]))
 
-    chunks = [gathered[owner, :, slot] for owner, slot in (chunk_owner(c, cp) for c in range(2 * cp))]  # [rows, 6], sequence order
-    bad_pad = bool(gathered[..., 0].any())
-    bad_pos = bool(gathered[..., 1].any())
-    for before, after in zip(chunks, chunks[1:]):
-        bad_pad |= bool((after[:, 2] > before[:, 3]).any())
-        if position_ids is not None and position_ids.dim() == 2:
-            bad_pos |= bool((after[:, 4] - before[:, 5] != 1).any())
-    return bad_pad, bad_pos
+
+def _sharded_documents(
+    position_ids: torch.Tensor, kwargs: dict[str, Any], rows: int, group: dist.ProcessGroup
+) -> ShardedDocuments | None:
+    """This rank's view of the packed rows, or None when every row is one document.
+
+    The local text positions are all-gathered (one [rows, local_seq] long per rank) and
+    the whole rows' boundaries found as without CP, checked against `cu_seq_lens_*` and
+    `seq_idx` (whole-row, as `shard_batch` and the Trainer leave them): every rank sees
+    the same whole rows, so every rank raises the same error for forms that disagree.
+    """
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    text = text_positions(position_ids, rows)
+    if text is None and all(kwargs.get(key) is None for key in _PACKING_KWARGS):
+        return None
+    whole = None
+    if text is not None:
+        local = text.long().contiguous()
+        gathered = torch.empty(cp * rows, local.shape[1], dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(gathered, local, group=group)
+        whole = unshard_sequence(list(gathered.view(cp, rows, -1).unbind(0)), cp, seq_dim=1)
+    seq = (whole.shape[1] if whole is not None else position_ids.shape[-1] * cp)
+    layout = document_layout(
+        rows,
+        seq,
+        position_ids=whole,
+        cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+        cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
+        seq_idx=kwargs.get("seq_idx"),
+    )
+    if layout is None:
+        return None
+    starts = torch.zeros(rows * seq, dtype=torch.bool, device=layout.cu_seq_lens.device)
+    starts[layout.cu_seq_lens[:-1].long()] = True
+    return shard_documents(starts.view(rows, seq), cp, rank)
 
 
 def _check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -108,17 +126,24 @@ def _check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     attention_mask = kwargs.get("attention_mask")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError("under context parallelism attention_mask must be a 2-D padding mask [batch, seq]")
-    bad_pad, bad_pos = _layout_violations(position_ids, attention_mask, getattr(module, CP_MESH_ATTR).get_group())
-    if bad_pad:
+    group = getattr(module, CP_MESH_ATTR).get_group()
+    if attention_mask is not None and _padding_violation(attention_mask, group):
         raise ValueError(
             "context parallelism supports right padding only; this attention_mask has a padded token before a real "
             "one (left padding or holes). Use padding_side='right' in the tokenizer/collator."
         )
-    if bad_pos:
-        raise ValueError(
-            "position_ids restart or jump inside a row (packed sequences); context parallelism does not support packed "
-            "sequences yet. Disable packing (e.g. padding-free collators) for CP runs."
-        )
+    rows = (tokens if tokens is not None else attention_mask if attention_mask is not None else position_ids).shape[0]
+    documents = _sharded_documents(position_ids, kwargs, rows, group)
+    for key in _PACKING_KWARGS:  # whole-row forms: the layers read `documents`
+        kwargs.pop(key, None)
+    if documents is not None:
+        kwargs[DOCUMENTS_KWARG] = documents
+    # The layers take their masks from here, not from the text model: CP attention masks by
+    # global position and document itself, and Transformers would otherwise build a
+    # [local_seq, local_seq] mask from the local positions (which jump between the two
+    # chunks) that nothing reads. GatedDeltaNet zeroes right-padded tokens as it would.
+    padding = attention_mask if attention_mask is not None and not bool(attention_mask.bool().all()) else None
+    kwargs["attention_mask"] = {"full_attention": None, "linear_attention": padding}
     return args, kwargs
 
 

@@ -1,0 +1,55 @@
+"""Packed rows under context parallelism: where each local token's document starts.
+
+A packed row's documents may straddle chunk and rank boundaries, so a rank cannot tell
+from its own tokens whether its first token continues a document. The CP pre-hook
+(`model.py`) all-gathers the local text positions once per forward (one [batch, local
+seq] long tensor per rank), finds the boundaries of the whole row with the same rule as
+without CP (`model.packing.document_layout`, which also checks `cu_seq_lens_*`/`seq_idx`
+against them) and hands every layer a `ShardedDocuments` as the `DOCUMENTS_KWARG` kwarg:
+
+- the causal conv masks its window before the token's document start,
+- the gated delta rule resets its state at every start (a chunk holding one has M = 0),
+- attention lets each query see the keys from its document's start to itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .layout import local_positions
+
+DOCUMENTS_KWARG = "qwen35_sharded_documents"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedDocuments:
+    """One rank's tokens of packed rows, in layout order.
+
+    `index` [local_seq] long: each local token's index in the whole row; `doc_start`
+    [batch, local_seq] long: the index in the whole row of its document's first token.
+    """
+
+    index: torch.Tensor
+    doc_start: torch.Tensor
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """[batch, local_seq] long: tokens since the document's start (0 at a start)."""
+        return self.index[None, :] - self.doc_start
+
+    @property
+    def starts(self) -> torch.Tensor:
+        """[batch, local_seq] bool: the token starts a document."""
+        return self.offsets == 0
+
+
+def shard_documents(starts: torch.Tensor, cp: int, rank: int) -> ShardedDocuments:
+    """`starts` [batch, seq] bool (document starts in the whole rows, each row's first
+    token one) -> rank `rank`'s `ShardedDocuments` in a cp group of `cp`."""
+    seq = starts.shape[1]
+    index = torch.arange(seq, device=starts.device)
+    doc_start = torch.where(starts, index, 0).cummax(dim=1).values
+    local = local_positions(seq, cp, rank, starts.device)
+    return ShardedDocuments(local, doc_start[:, local])

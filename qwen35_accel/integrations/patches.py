@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import checkpoints, cpu_backend, preparation, step_hooks
+from . import checkpoints, cpu_backend, evaluation, preparation, step_hooks
 from .settings import PluginSettings
 
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -104,6 +104,11 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "dense Qwen3.5 under tp > 1: the norm of the whole gradient (split parameters summed over the tp group)",
     ),
     PatchPoint(
+        "accelerate.accelerator", "Accelerator.gather_for_metrics", evaluation.gather_for_metrics, ACCELERATE,
+        "dense Qwen3.5 under cp or tp > 1: gathers over the data-parallel ranks only (ranks differing in cp/tp hold "
+        "the same batch; stock returns each row cp*tp times)",
+    ),
+    PatchPoint(
         "accelerate.accelerator", "load_fsdp_model", checkpoints.load_fsdp_model, ACCELERATE,
         "dense Qwen3.5 under tp > 1 with FULL_STATE_DICT (Accelerator.load_state): rank 0's file broadcast into the "
         "per-head slices (torch's full-state-dict loading copies full tensors into them)",
@@ -118,6 +123,11 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         TRANSFORMERS,
         "dense Qwen3.5 under cp > 1: the batch is right-padded to a multiple of 2*cp first (padding-free collators "
         "make rows of any length; stock leaves that to the collator)",
+    ),
+    PatchPoint(
+        "transformers.trainer", "Trainer.prediction_step", evaluation.prediction_step, TRANSFORMERS,
+        "dense Qwen3.5 under cp > 1 or a vocab-parallel lm_head: the logits of the whole sequence and vocab (stock: "
+        "this rank's chunks); label-less batches run inside the CP context",
     ),
     PatchPoint(
         "transformers.trainer", "Trainer.save_model", checkpoints.trainer_save_model, TRANSFORMERS,

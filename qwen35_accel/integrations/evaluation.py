@@ -1,0 +1,221 @@
+"""Evaluation and prediction patch points: `Trainer.evaluate`/`predict` under CP and TP equal one process.
+
+Two things go wrong with stock Accelerate and the Trainer once ranks share a batch:
+
+- Accelerate's data loader gives ranks that differ only in their cp or tp coordinate the
+  same batch (`process_index // (tp * cp)`), but `gather_for_metrics` gathers over every
+  process: each row comes back tp·cp times (and the last batch's `remainder` truncation then
+  keeps duplicates instead of rows). `gather_for_metrics` below gathers over the data-parallel
+  ranks only (`gather_over_data_parallel`).
+- Under CP a forward returns this rank's sequence chunks (`[batch, seq / cp, vocab]` in the
+  zigzag layout); with a vocab-parallel lm_head its vocab slice. `prediction_step` below
+  assembles the whole logits (`[batch, seq, vocab]`, trimmed to the batch's own length) on
+  every rank of the group, and runs label-less batches (`predict` on unlabeled data) through
+  the CP context too (stock runs them unsharded).
+
+Memory: the assembled logits are what one process holds for the batch (batch × seq × vocab
+in the logits' dtype) on every cp/tp rank, transiently, before `preprocess_logits_for_metrics`
+and the gather. Nothing is gathered when no logits are asked for (`prediction_loss_only`,
+or `evaluate()` without `compute_metrics`): the loss is reduced inside the model.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel.mesh import has_dim
+
+
+def _prepared_qwen35(model: nn.Module) -> nn.Module | None:
+    """The dense Qwen3.5 module the plugin prepared, `model` itself or inside a wrapper."""
+    for module in (model, getattr(model, "module", None)):
+        if module is not None and getattr(module, "_qwen35_accel_prepared", False):
+            return module
+    return None
+
+
+_STOCK = object()  # every rank holds its own batch: stock gathering
+
+
+def _data_parallel_group(accelerator: Any) -> Any:
+    """When some ranks share a batch (cp or tp > 1 on a prepared Qwen3.5 model): the group of
+    ranks holding different batches (Accelerate's `dp` dim; None when there is none, i.e. one
+    data-parallel rank). `_STOCK` otherwise."""
+    if not any(_prepared_qwen35(m) is not None for m in getattr(accelerator, "_models", [])):
+        return _STOCK
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is None:
+        return _STOCK
+    shared = 1
+    for name in ("cp", "tp"):
+        if has_dim(mesh, name):
+            shared *= mesh[name].size()
+    if shared == 1:
+        return _STOCK
+    return mesh["dp"].get_group() if has_dim(mesh, "dp") else None
+
+
+def gather_over_data_parallel(data: Any, group: dist.ProcessGroup | None, use_gather_object: bool) -> Any:
+    """`Accelerator.gather` (tensors: concatenated along dim 0, same shapes on every rank) or
+    `gather_object` (lists flattened), over `group` only (None: this rank alone)."""
+    from accelerate.utils import recursively_apply
+
+    size = 1 if group is None else dist.get_world_size(group)
+    if use_gather_object and size == 1:
+        return list(data)
+    if use_gather_object:
+        parts: list[Any] = [None] * size
+        dist.all_gather_object(parts, data, group=group)
+        return [item for part in parts for item in part]
+    if size == 1:
+        return data
+
+    def gather(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.contiguous()
+        if tensor.dim() == 0:
+            tensor = tensor[None]
+        out = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(out, tensor, group=group)
+        return torch.cat(out, dim=0)
+
+    return recursively_apply(gather, data, error_on_other_type=True)
+
+
+def gather_for_metrics(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, input_data: Any, use_gather_object: bool = False) -> Any:
+        group = _data_parallel_group(self)
+        if group is _STOCK:
+            return original(self, input_data, use_gather_object=use_gather_object)
+        from accelerate.utils import recursively_apply
+
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+            all_tensors = True
+        except TypeError:
+            all_tensors = False
+        use_object = use_gather_object or not all_tensors
+        data = gather_over_data_parallel(input_data, group, use_object)
+        # As stock: the last batch of a sized dataset is cut to the rows that exist (the
+        # data loader's `remainder` counts rows over the data-parallel ranks).
+        remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else 0
+        if remainder <= 0:
+            return data
+        if use_object:
+            return data[:remainder]
+        return recursively_apply(lambda t: t[:remainder], data)
+
+    return wrapper
+
+
+def _assemble_logits(model: nn.Module, logits: Any, cp_mesh: Any, local_seq: int | None, seq: int | None) -> Any:
+    """Every tensor of `logits` whose dim 1 is the local sequence: gathered over cp and cut to
+    `seq`; a vocab-parallel lm_head's `[…, vocab / tp]` slice: gathered over tp."""
+    from ..context_parallel import gather_sequence
+    from ..parallel.tensor_parallel import VOCAB_GROUP_ATTR, gather_vocab_parallel_logits
+
+    vocab_parallel = getattr(model, VOCAB_GROUP_ATTR, None) is not None
+    local_vocab = model.get_output_embeddings().weight.shape[0] if vocab_parallel else None  # type: ignore[union-attr]
+
+    def assemble(tensor: Any) -> Any:
+        if isinstance(tensor, (tuple, list)):
+            return type(tensor)(assemble(t) for t in tensor)
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
+            return tensor
+        if cp_mesh is not None and tensor.shape[1] == local_seq:
+            tensor = gather_sequence(tensor.contiguous(), cp_mesh)[:, :seq]
+        if vocab_parallel and tensor.dim() >= 3 and tensor.shape[-1] == local_vocab:
+            tensor = gather_vocab_parallel_logits(model, tensor)
+        return tensor
+
+    return assemble(logits)
+
+
+def prediction_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`Trainer.prediction_step` for a prepared Qwen3.5 model under cp > 1 or with a
+    vocab-parallel lm_head: the logits of the whole sequence and vocab, as one process."""
+
+    @functools.wraps(original)
+    def wrapper(
+        self: Any, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> tuple[Any, Any, Any]:
+        from ..parallel.context_parallel.model import context_parallel_mesh
+        from ..parallel.tensor_parallel import VOCAB_GROUP_ATTR
+
+        qwen = _prepared_qwen35(model)
+        cp_mesh = context_parallel_mesh(qwen) if qwen is not None else None
+        if qwen is None or (cp_mesh is None and getattr(qwen, VOCAB_GROUP_ATTR, None) is None):
+            return original(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        seq = local_seq = None
+        if cp_mesh is not None and isinstance(inputs, Mapping) and inputs.get("input_ids") is not None:
+            # The CP context shards its buffers in place and does not restore them: hand it
+            # new tensor objects so the caller's batch (`include_for_metrics=["inputs"]`) stays whole.
+            inputs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            seq = inputs["input_ids"].shape[1]
+            cp = cp_mesh.size()
+            local_seq = (seq + (-seq) % (2 * cp)) // cp
+            if not _has_labels_or_loss(self, inputs):
+                return _predict_unlabeled(self, model, qwen, inputs, prediction_loss_only, ignore_keys, cp_mesh, local_seq, seq)
+        loss, logits, labels = original(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if cp_mesh is not None and loss is not None:
+            # Each cp rank's loss is its chunks' share, scaled so that the mean over the cp ranks
+            # is the batch's loss (stock gathering averaged the duplicated rows); every rank of
+            # the group gets that mean, and the data-parallel gather sees it once per row.
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=cp_mesh.get_group())
+            loss = loss / cp_mesh.size()
+        if logits is not None:
+            logits = _assemble_logits(qwen, logits, cp_mesh, local_seq, seq)
+        return loss, logits, labels
+
+    return wrapper
+
+
+def _has_labels_or_loss(trainer: Any, inputs: dict[str, Any]) -> bool:
+    """The branch stock `prediction_step` takes: labels present, or a loss without labels."""
+    if trainer.label_names:
+        return all(inputs.get(k) is not None for k in trainer.label_names)
+    return_loss = inputs.get("return_loss")
+    return bool(trainer.can_return_loss if return_loss is None else return_loss)
+
+
+@torch.no_grad()
+def _predict_unlabeled(
+    trainer: Any,
+    model: nn.Module,
+    qwen: nn.Module,
+    inputs: dict[str, Any],
+    prediction_loss_only: bool,
+    ignore_keys: list[str] | None,
+    cp_mesh: Any,
+    local_seq: int,
+    seq: int,
+) -> tuple[None, Any, None]:
+    """Stock `prediction_step`'s label-less branch, with the forward inside the CP context
+    (stock runs it outside, on the whole sequence, which the CP model refuses)."""
+    from transformers.trainer_pt_utils import nested_detach
+
+    # A collator may leave `labels=None`; the Trainer's CP preparation reads any `labels` key.
+    inputs = trainer._prepare_inputs({k: v for k, v in inputs.items() if v is not None})
+    if ignore_keys is None:
+        config = getattr(trainer.model, "config", None)
+        ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else []
+    cp_context, inputs = trainer._prepare_context_parallel_inputs(model, inputs)
+    with trainer.compute_loss_context_manager(), cp_context():
+        outputs = model(**inputs)
+    if prediction_loss_only:
+        return None, None, None
+    if isinstance(outputs, dict):
+        logits = tuple(v for k, v in outputs.items() if k not in ignore_keys)
+    else:
+        logits = outputs
+    logits = nested_detach(logits)
+    if len(logits) == 1:
+        logits = logits[0]
+    return None, _assemble_logits(qwen, logits, cp_mesh, local_seq, seq), None

@@ -113,15 +113,24 @@ def test_context_and_tensor_parallel_launches_match_one_process(reference_sgd, t
 
 
 @pytest.mark.parametrize("form", [[], ["--packing_flash_attn_kwargs"]], ids=["position_ids", "cu_seq_lens"])
-def test_packed_rows_through_a_launch_train_exactly_as_padded_rows_in_one_process(reference_sgd, tmp_path, form):
+@pytest.mark.parametrize(
+    "config,per_device,rtol",
+    # fp32 rtol 1e-5: FSDP2's reduction order, and each document's kernels batched with others;
+    # rtol 1e-4 under CP: as for the CP launches above (per-chunk partials over 4 SGD steps).
+    [("cpu_fsdp2.yaml", "2", 1e-5), ("cpu_fsdp2_cp2.yaml", "4", 1e-4)],
+    ids=["fsdp2", "cp2"],
+)
+def test_packed_rows_through_a_launch_train_exactly_as_padded_rows_in_one_process(
+    reference_sgd, tmp_path, form, config, per_device, rtol
+):
     """DataCollatorWithFlattening (one row per rank, documents restarting their positions)
-    under FSDP2 on 2 processes against the padded single-process run: packing computes
-    every example on its own, so nothing but the layout may differ."""
+    under FSDP2 on 2 processes, and under cp 2 (the row, of any length, padded to 2·cp by
+    the Trainer patch point and split across the ranks), against the padded single-process
+    run: packing computes every example on its own, so nothing but the layout may differ."""
     out = tmp_path / "packed"
-    result = launch("cpu_fsdp2.yaml", out, "--per_device_train_batch_size", "2", "--packing", *form, *SGD)
+    result = launch(config, out, "--per_device_train_batch_size", per_device, "--packing", *form, *SGD)
     assert PREPARED in result.stderr
-    # fp32 rtol 1e-5: FSDP2's reduction order, and each document's kernels batched with others.
-    assert_same_training(out, reference_sgd, rtol=1e-5)
+    assert_same_training(out, reference_sgd, rtol=rtol)
 
 
 def test_resume_from_checkpoint_continues_with_the_uninterrupted_losses(tmp_path):

@@ -169,7 +169,7 @@ def test_image_rows_are_not_mistaken_for_packed_rows():
 CP_LENGTHS = [20, 16, 1, 2, 14, 3, 16, 1, 45, 20]
 
 
-def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None:
+def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int, rows_per_replica: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -181,16 +181,19 @@ def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None
     reference, model = _models()
     PARALLELIZER.apply(model, mesh)
     vocab = reference.config.vocab_size
-    # Each dp replica its own row (the same lengths in another order, so every replica's
-    # loss has the same number of predictions and the oracle is the mean of theirs).
-    rows = [packed_documents(CP_LENGTHS[r:] + CP_LENGTHS[:r], vocab, seed=10 + r) for r in range(dp)]
-    replica = mesh["dp_shard"].get_local_rank()
-    batch, documents = rows[replica]
+    # Every row its own documents (the same lengths in another order, so every row's loss
+    # has the same number of predictions and the oracle is the mean of the rows' losses).
+    count = dp * rows_per_replica
+    rows = [packed_documents(CP_LENGTHS[r:] + CP_LENGTHS[:r], vocab, seed=10 + r) for r in range(count)]
     oracle = [_oracle(reference, docs) for _, docs in rows]
-    want_loss = sum(loss for _, loss in oracle) / dp
+    want_loss = sum(loss for _, loss in oracle) / count
     want_loss.backward()
+    mine = range(mesh["dp_shard"].get_local_rank() * rows_per_replica, (mesh["dp_shard"].get_local_rank() + 1) * rows_per_replica)
+    batch = {key: torch.cat([rows[r][0][key] for r in mine]) for key in rows[0][0]}
+    want_logits = torch.cat([oracle[r][0] for r in mine]).detach()
     seq = batch["input_ids"].shape[1]
-    cu = torch.tensor([0, *torch.tensor([d.shape[1] for d in documents]).cumsum(0).tolist()], dtype=torch.int32)
+    lengths = [d.shape[1] for r in mine for d in rows[r][1]]  # flattened row after row
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     forms = {
         "position_ids": batch,
         "cu_seq_lens": {"input_ids": batch["input_ids"], "labels": batch["labels"], "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
@@ -205,7 +208,7 @@ def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None
         assert_close(loss, want_loss.detach(), f"loss, {where}")
         if tp == 1:
             logits = gather_sequence(out.logits.detach(), mesh["cp"])[:, :seq]
-            assert_close(logits, oracle[replica][0].detach(), f"logits, {where}")
+            assert_close(logits, want_logits, f"logits, {where}")
         out.loss.backward()
         # fp32 rtol 1e-5 / atol 1e-6: the chunk summaries fold the recurrence in another
         # order than one pass over each document; FSDP2 averages, TP sums slices.
@@ -215,9 +218,11 @@ def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "dp,cp,tp", [(1, 2, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)], ids=["cp2", "cp4", "dp2xcp2", "cp2xtp2"]
+    "dp,cp,tp,rows",
+    [(1, 2, 1, 1), (1, 4, 1, 2), (2, 2, 1, 1), (1, 2, 2, 1)],
+    ids=["cp2", "cp4-two-rows", "dp2xcp2", "cp2xtp2"],
 )
-def test_packed_rows_under_context_parallelism_equal_the_documents_alone(dp, cp, tp):
+def test_packed_rows_under_context_parallelism_equal_the_documents_alone(dp, cp, tp, rows):
     from _dist import run_world
 
-    run_world(_cp_packing_worker, dp * cp * tp, dp, cp, tp)
+    run_world(_cp_packing_worker, dp * cp * tp, dp, cp, tp, rows)

@@ -15,7 +15,9 @@ Checks:
 4. FSDP2 + CP through `PARALLELIZER.apply` on the GPU over gloo (reported, not required:
    gloo's CUDA collective coverage decides whether it runs);
 5. tensor parallelism through `PARALLELIZER.apply` on the GPU (tp 2, and cp 2 x tp 2 on
-   4 ranks), fp32: loss and every gathered gradient against the single-process model.
+   4 ranks), fp32: loss and every gathered gradient against the single-process model;
+6. packed rows, one process: every document against that document alone (logits, every
+   gradient), through the varlen kernels when causal-conv1d / FLA are installed.
 Writes `cuda_check.json` (all numbers, and under "run" the date, versions, machine and load
 average before / after) to --out and prints a summary. `--smoke` (tiny shapes; `--device cpu`
 on a machine without a GPU) runs checks 1-4 and tp 2 in one 2-rank world, leaves out the
@@ -120,6 +122,35 @@ def check_attention_memory(device: str, smoke: bool = False) -> dict:
     result["out_rel_err"] = _rel(outs["lower_right"][0], outs["bool_mask"][0])
     result["dq_rel_err"] = _rel(outs["lower_right"][1], outs["bool_mask"][1])
     return result
+
+
+def check_packing(device: str, smoke: bool = False) -> dict:
+    """Packed rows on the device, one process: every document of a packed row against that
+    document alone through the unmodified model (fp32, TF32 off): logits and every
+    gradient. With causal-conv1d / FLA installed the layers use their varlen kernels
+    (`seq_idx` / `cu_seqlens`), which the CPU suite cannot reach."""
+    from qwen35_accel.model import fp32_gate
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, packed_documents
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    lengths = [70, 24, 3, 1, 40] if smoke else [700, 240, 3, 1, 1400, 64, 65]
+    reference = build_tiny_causal_lm(seed=0).to(device)
+    model = build_tiny_causal_lm(seed=0).to(device)
+    fp32_gate.install_fp32_gate(model)
+    batch, documents = packed_documents(lengths, reference.config.vocab_size, seed=1)
+    out = model(**{k: v.to(device) for k, v in batch.items()})
+    out.logits.float().square().mean().backward()
+    alone = torch.cat([reference(input_ids=d.to(device)).logits for d in documents], dim=1)
+    alone.float().square().mean().backward()
+    ref = dict(reference.named_parameters())
+    grad_err = max(_rel(p.grad, ref[n.replace("._fp32_params.", ".")].grad) for n, p in model.named_parameters())
+    probe = out.logits.new_zeros(1)
+    return {
+        "varlen_conv": fp32_gate._varlen_kernel("causal_conv1d", probe),
+        "varlen_rule": fp32_gate._varlen_kernel("fla", probe),
+        "logits_rel_err": _rel(out.logits, alone),
+        "max_grad_rel_err": grad_err,
+    }
 
 
 def _model_worker(rank: int, world: int, device: str, out_dir: str, smoke: bool) -> None:
@@ -260,6 +291,7 @@ def _checks(device: str, smoke: bool, out: Path | None, scratch: Path) -> None:
     report: dict = {"environment": check_environment(device)}
     for name, fn in (("ops", lambda: check_ops(device, smoke)),
                      ("attention_memory", lambda: check_attention_memory(device, smoke)),
+                     ("packing", lambda: check_packing(device, smoke)),
                      ("model_cp2", lambda: run_local_world(_smoke_worker if smoke else _model_worker, 2, device, work, smoke,
                                                            threads_per_rank=4)),
                      ("fsdp2_cp2", lambda: skipped or run_local_world(_fsdp_worker, 2, device, work, smoke, threads_per_rank=4)),

@@ -52,6 +52,21 @@ def test_every_document_of_a_packed_row_equals_the_document_alone():
         assert_close(p.grad, ref[hf_name(name)].grad, f"grad of {name}")
 
 
+def test_documents_are_grouped_once_per_forward(monkeypatch):
+    """Every GatedDeltaNet conv and recurrence of a forward reuses one grouping (its sizes
+    cost a host sync)."""
+    from qwen35_accel.ops import documents
+
+    calls = []
+    original = documents._groups
+    monkeypatch.setattr(documents, "_groups", lambda *args: calls.append(args) or original(*args))
+    _, model = _models()
+    batch, _ = packed_documents(LENGTHS, model.config.vocab_size, seed=1)
+    model(**batch).loss.backward()
+    layers = sum(1 for t in model.config.layer_types if t == "linear_attention")
+    assert layers >= 2 and len(calls) == 1
+
+
 def test_unmodified_transformers_leaks_across_documents_so_the_comparison_can_fail():
     reference, _ = _models()
     batch, documents = packed_documents(LENGTHS, reference.config.vocab_size, seed=1)

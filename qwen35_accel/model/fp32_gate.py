@@ -14,6 +14,8 @@ accepts those names (from unmodified checkpoints, in any floating dtype).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +30,20 @@ from .packing import install_packing_hook
 
 HOLDER_NAME = "_fp32_params"
 GATE_PARAM_NAMES = ("A_log", "dt_bias")
+
+
+@functools.cache
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def _varlen_kernel(package: str, x: torch.Tensor) -> bool:
+    """Whether packed rows go to `package`'s varlen kernel: Transformers resolves its
+    GatedDeltaNet kernels to `causal_conv1d` (`seq_idx`) and FLA (`cu_seqlens`) when they
+    are installed, and those take CUDA tensors. Elsewhere every document runs alone
+    through the kernels Transformers has (`per_document`). Not verified on a GPU in this
+    project's CI (no GPU there); Transformers' own packed path makes the same calls."""
+    return x.is_cuda and _installed(package)
 
 
 class GateInput:
@@ -172,6 +188,11 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         seq_len = mixed_qkv.shape[-1]
         weight = self.conv1d.weight.squeeze(1)
         documents = kwargs.get("cu_seq_lens_q")
+        if documents is not None and cache is None and _varlen_kernel("causal_conv1d", mixed_qkv):
+            batch = mixed_qkv.shape[0]
+            index = torch.arange(batch * seq_len, device=documents.device)
+            seq_idx = (torch.searchsorted(documents[1:-1].long(), index, right=True)).view(batch, seq_len).to(torch.int32)
+            return hf.causal_conv1d_fn(mixed_qkv, weight, self.conv1d.bias, activation=self.activation, seq_idx=seq_idx)
         if documents is not None and cache is None:  # packed rows: each document's window starts at its start
             batch, channels = mixed_qkv.shape[:2]
             flat = mixed_qkv.transpose(1, 2).reshape(batch * seq_len, channels)
@@ -207,6 +228,13 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         cache), from and into the cache's recurrent state when one is given.
         """
         documents = kwargs.pop("cu_seq_lens_q", None)
+        if documents is not None and cache is None and _varlen_kernel("fla", query):
+            batch, seq_len = query.shape[:2]
+            flat = [t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (query, key, value, g, beta)]
+            out, _ = hf.torch_chunk_gated_delta_rule(
+                *flat[:3], g=flat[3], beta=flat[4], use_qk_l2norm_in_kernel=True, cu_seqlens=documents
+            )
+            return out.view(batch, seq_len, *value.shape[2:])
         if documents is not None and cache is None:  # packed rows: each document from a zero state
             batch, seq_len = query.shape[:2]
 

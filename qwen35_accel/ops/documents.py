@@ -11,6 +11,7 @@ the padded work stays within one `multiple` per document.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,9 +31,30 @@ class DocumentGroup:
         return torch.where(self.valid.view(*self.valid.shape, *([1] * (x.dim() - 1))), x[self.index], 0)
 
 
+# Groups per `cu_seq_lens` tensor object: the packing hook hands every layer of a forward
+# (and its recomputation) the same tensor, so the groups, whose sizes need one host sync,
+# are made once per forward instead of twice per GatedDeltaNet layer.
+# Keyed by id (tensors compare elementwise, so they cannot be dict keys by value); an
+# entry dies with its tensor.
+_GROUPS: dict[int, tuple[weakref.ref[torch.Tensor], dict[int, list[DocumentGroup]]]] = {}
+
+
 def document_groups(cu_seq_lens: torch.Tensor, multiple: int = 64) -> list[DocumentGroup]:
     """The documents of `cu_seq_lens` [documents + 1] (offsets in the flattened tokens),
-    grouped by their length rounded up to `multiple`."""
+    grouped by their length rounded up to `multiple`. Cached per tensor object (do not
+    modify a `cu_seq_lens` in place after passing it)."""
+    entry = _GROUPS.get(id(cu_seq_lens))
+    if entry is None or entry[0]() is not cu_seq_lens:
+        entry = (weakref.ref(cu_seq_lens), {})
+        _GROUPS[id(cu_seq_lens)] = entry
+        weakref.finalize(cu_seq_lens, _GROUPS.pop, id(cu_seq_lens), None)
+    cached = entry[1]
+    if multiple not in cached:
+        cached[multiple] = _groups(cu_seq_lens, multiple)
+    return cached[multiple]
+
+
+def _groups(cu_seq_lens: torch.Tensor, multiple: int) -> list[DocumentGroup]:
     cu = cu_seq_lens.long()
     starts, lengths = cu[:-1], cu[1:] - cu[:-1]
     padded = (lengths + multiple - 1) // multiple * multiple

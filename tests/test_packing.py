@@ -135,16 +135,28 @@ def _parallel_packing_worker(rank: int, world: int, dp: int, tp: int) -> None:
     reference, model = _models()
     PARALLELIZER.apply(model, mesh)
     batch, documents = packed_documents(LENGTHS, reference.config.vocab_size, seed=5)  # the same row on every rank
-    out = model(**batch)
     want_logits, want_loss = _oracle(reference, documents)
-    assert_close(out.loss, want_loss, f"loss, dp {dp} x tp {tp}")
-    if tp == 1:
-        assert_close(out.logits, want_logits, "logits")
-    out.loss.backward()
     want_loss.backward()
-    # fp32 rtol 1e-5 / atol 1e-6: FSDP2 averages the ranks' equal gradients, TP sums slices.
-    _assert_parallel_grads(model, reference, tp, f"dp {dp} x tp {tp}")
+    for form, inputs in _forms(batch, LENGTHS).items():
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs)
+        where = f"{form}, dp {dp} x tp {tp}"
+        assert_close(out.loss, want_loss, f"loss, {where}")
+        if tp == 1:
+            assert_close(out.logits, want_logits, f"logits, {where}")
+        out.loss.backward()
+        # fp32 rtol 1e-5 / atol 1e-6: FSDP2 averages the ranks' equal gradients, TP sums slices.
+        _assert_parallel_grads(model, reference, tp, where)
     dist.barrier()
+
+
+def _forms(batch: dict[str, torch.Tensor], lengths: list[int]) -> dict[str, dict[str, torch.Tensor]]:
+    """The packed batch as `DataCollatorWithFlattening` gives it in its two variants:
+    restarting `position_ids`, or `cu_seq_lens_q/k` with `max_length_q/k` only."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    flash = {"input_ids": batch["input_ids"], "labels": batch["labels"], "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+             "max_length_q": max(lengths), "max_length_k": max(lengths)}
+    return {"position_ids": batch, "cu_seq_lens": flash}
 
 
 def _assert_parallel_grads(model, reference, tp: int, where: str) -> None:
@@ -208,12 +220,7 @@ def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int, rows_pe
     want_logits = torch.cat([oracle[r][0] for r in mine]).detach()
     seq = batch["input_ids"].shape[1]
     lengths = [d.shape[1] for r in mine for d in rows[r][1]]  # flattened row after row
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    forms = {
-        "position_ids": batch,
-        "cu_seq_lens": {"input_ids": batch["input_ids"], "labels": batch["labels"], "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
-                        "max_length_q": max(CP_LENGTHS), "max_length_k": max(CP_LENGTHS)},
-    }
+    forms = _forms(batch, lengths)
     for form, whole in forms.items():
         model.zero_grad(set_to_none=True)
         out = model(**shard_batch(whole, mesh["cp"]))

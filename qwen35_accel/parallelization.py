@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from .model.detect import Qwen35Parts, qwen35_parts
+from .model.detect import Qwen35Parts, peft_base_model, qwen35_parts, unwrap_qwen35
 from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
 from .parallel.activation_checkpointing import apply_activation_checkpointing
 from .parallel.context_parallel.model import (
@@ -92,12 +92,16 @@ class Qwen3_5ModelParallelizer:
         rank's vocab slice. Needs untied embeddings and tp dividing the vocab size.
 
         Preconditions: `torch.distributed` is initialised; `model` is a dense Qwen3.5
-        model (TypeError otherwise) not yet sharded; `device_mesh` has a dim (own or
+        model, possibly inside a PEFT adapter wrapper (LoRA; not with tp > 1:
+        NotImplementedError), (TypeError otherwise) not yet sharded; `device_mesh` has a dim (own or
         flattened) named `dp_shard_cp_mesh_name` (ValueError otherwise). The
         `dp_replicate`, `cp` and `tp` dims are optional (absent = size 1); a replicate
         dim of size > 1 gives HSDP over (`dp_replicate`, `dp_shard_cp`).
         """
         parts = qwen35_parts(model)  # TypeError for anything but dense Qwen3.5
+        # A PEFT wrapper (LoRA) stays the outer module and becomes the root unit, as in stock
+        # Accelerate; every model-level step acts on the Qwen3.5 model inside it.
+        base = unwrap_qwen35(model)
         if isinstance(model, FSDPModule):
             raise ValueError(f"{type(model).__name__} is already sharded by FSDP2; apply the parallelizer once, to the unsharded model.")
         _check_choice("frozen_multimodal_sharding", frozen_multimodal_sharding, FROZEN_MULTIMODAL_SHARDING_CHOICES)
@@ -105,18 +109,23 @@ class Qwen3_5ModelParallelizer:
         dims = ParallelDims(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, cp_mesh_name, tp_mesh_name)
         tp_size, cp_size = dims.tp_size, dims.cp_size
         if tp_size > 1:
-            check_tp_divisible(model.config.get_text_config(), tp_size)
+            if base is not model and peft_base_model(model) is not None:
+                raise NotImplementedError(
+                    f"tensor parallelism (tp size {tp_size}) of a PEFT-wrapped model ({type(model).__name__}) is not "
+                    "supported yet; use tp size 1 (FSDP2 and context parallelism take PEFT models)"
+                )
+            check_tp_divisible(base.config.get_text_config(), tp_size)
             if vocab_parallel_lm_head:
-                check_vocab_parallel(model, tp_size)
+                check_vocab_parallel(base, tp_size)
         if cp_size > 1:
-            check_context_parallel_supported(model)
+            check_context_parallel_supported(base)
         fsdp_mesh = dims.fsdp
 
-        converted = install_fp32_gate(model)
+        converted = install_fp32_gate(model)  # the outer module too: one parameter naming from the root down
         if dims.tp is not None:
-            apply_tensor_parallel(model, dims.tp)
+            apply_tensor_parallel(base, dims.tp)
             if vocab_parallel_lm_head:
-                apply_vocab_parallel_lm_head(model, dims.tp)
+                apply_vocab_parallel_lm_head(base, dims.tp)
         if activation_checkpointing:
             apply_activation_checkpointing(parts.decoder_layers)
         self.apply_fsdp_sharding(
@@ -133,7 +142,7 @@ class Qwen3_5ModelParallelizer:
             parts=parts,
         )
         if dims.cp is not None:
-            install_context_parallel(model, dims.cp)
+            install_context_parallel(base, dims.cp)
         logger.info(
             "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s, "
             "cp: %d, tp: %d)",

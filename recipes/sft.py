@@ -102,6 +102,16 @@ class ScriptArguments:
         default=False,
         metadata={"help": "With --packing, also pass cu_seq_lens_q/k and max_length_q/k (the flash-attention form)."},
     )
+    lora: bool = field(
+        default=False,
+        metadata={"help": "Train LoRA adapters (PEFT) on every linear layer but the lm_head instead of the whole "
+                  "model; save_model then writes a PEFT adapter directory."},
+    )
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank (with --lora)."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (with --lora)."})
+    lora_target_modules: str = field(
+        default="all-linear", metadata={"help": "PEFT target_modules: 'all-linear' or comma-separated module names."}
+    )
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[ScriptArguments, TrainingArguments]:
@@ -143,6 +153,21 @@ def load_model(script_args: ScriptArguments, seed: int) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(
         script_args.model_name_or_path, dtype=dtype, attn_implementation=script_args.attn_implementation
     )
+
+
+def add_lora(model: PreTrainedModel, script_args: ScriptArguments) -> PreTrainedModel:
+    """Wrap `model` with LoRA adapters (PEFT): base weights frozen, adapters trainable (fp32)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = script_args.lora_target_modules
+    config = LoraConfig(
+        r=script_args.lora_r,
+        lora_alpha=script_args.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
 
 
 def tokenize_example(
@@ -194,6 +219,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             f"{model.config.get_text_config().vocab_size}"
         )
 
+    if script_args.lora:
+        model = add_lora(model, script_args)
     train_dataset = build_dataset(script_args, training_args, tokenizer)
     if script_args.packing:
         collator = DataCollatorWithFlattening(return_flash_attn_kwargs=script_args.packing_flash_attn_kwargs)

@@ -33,10 +33,13 @@ from ..parallel.mesh import has_dim
 
 
 def _prepared_qwen35(model: nn.Module) -> nn.Module | None:
-    """The dense Qwen3.5 module the plugin prepared, `model` itself or inside a wrapper."""
+    """The dense Qwen3.5 model inside what the plugin prepared (`model` itself, or inside a
+    DDP-style `.module` or a PEFT wrapper), or None."""
+    from ..model.detect import unwrap_qwen35
+
     for module in (model, getattr(model, "module", None)):
         if module is not None and getattr(module, "_qwen35_accel_prepared", False):
-            return module
+            return unwrap_qwen35(module)
     return None
 
 

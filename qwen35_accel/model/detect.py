@@ -6,6 +6,7 @@ attention, dense MLP); the `qwen3_5_moe` family is a different model and is not 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -20,14 +21,40 @@ SUPPORTED_CLASSES: tuple[type[nn.Module], ...] = (
 )
 
 
+def peft_base_model(model: nn.Module) -> nn.Module | None:
+    """The model a PEFT adapter wrapper holds (`PeftModel` → its tuner → `.model`; a tuner such
+    as `LoraModel` → `.model`), or None when `model` is not such a wrapper. Prompt-learning
+    wrappers (no tuner layers in the model) are not looked through."""
+    if "peft" not in sys.modules:  # a PEFT object implies PEFT is imported; never import it here
+        return None
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+
+    if isinstance(model, PeftModel):
+        model = model.base_model
+    return model.model if isinstance(model, BaseTuner) else None
+
+
+def unwrap_qwen35(model: nn.Module) -> nn.Module:
+    """`model` without the wrappers detection looks through: `torch.compile`'s `_orig_mod`
+    and PEFT adapter wrappers (`peft_base_model`). Returns `model` itself when unwrapped."""
+    while True:
+        inner = model.__dict__.get("_modules", {}).get("_orig_mod")
+        if inner is None:
+            inner = peft_base_model(model)
+        if inner is None:
+            return model
+        model = inner
+
+
 def is_dense_qwen35(model: nn.Module) -> bool:
     """True if `model` is one of the dense Qwen3.5 classes in `SUPPORTED_CLASSES`.
 
-    Wrappers (FSDP2 keeps the class name prefixed, `torch.compile` wraps in `_orig_mod`)
-    are looked through; subclasses of the supported classes count.
+    Wrappers (FSDP2 keeps the class name prefixed, `torch.compile` wraps in `_orig_mod`,
+    PEFT in `PeftModel` / `LoraModel`) are looked through; subclasses of the supported
+    classes count.
     """
-    model = getattr(model, "_orig_mod", model)
-    return isinstance(model, SUPPORTED_CLASSES)
+    return isinstance(unwrap_qwen35(model), SUPPORTED_CLASSES)
 
 
 def supported_class_names() -> str:
@@ -52,7 +79,9 @@ class Qwen35Parts:
 
 
 def qwen35_parts(model: nn.Module) -> Qwen35Parts:
-    """Locate the parts of a dense Qwen3.5 model; TypeError for anything else."""
+    """Locate the parts of a dense Qwen3.5 model (looked up inside wrappers, see
+    `unwrap_qwen35`); TypeError for anything else."""
+    model = unwrap_qwen35(model)
     if not is_dense_qwen35(model):
         raise TypeError(
             f"qwen35_accel supports dense Qwen3.5 models ({supported_class_names()}); "

@@ -13,7 +13,9 @@ documents, then runs forward + backward twice, in an order that alternates every
   `DataCollatorWithFlattening` makes).
 Reported: median real tokens per second of each and their ratio (target >= 2), median
 activation memory (bytes of the tensors saved for backward) and its ratio, and the
-per-document parity of one step (max |packed - document alone| over the logits).
+per-document parity of one step (max |packed - document alone| over the logits); a plot
+of both per step (`packing_step.png`, the latest run's; needs matplotlib: the `benchmarks`
+extra). Runs are appended to `packing_step.md`.
 """
 
 from __future__ import annotations
@@ -139,7 +141,34 @@ def main() -> None:
         f"{mem['packed'] / mem['padded']:.2f}x; per-document parity of one step: max |packed - alone| = {worst:.2e}",
     ])
     print(table)
-    run.write(_report.results_dir(args), "packing_step.md", "Packed rows vs padded batches", table)
+    folder = _report.results_dir(args)
+    if folder is not None:
+        _plot(rows, folder)
+        table += "\n\n![real tokens/s and activation memory per step](packing_step.png)"
+    run.write(folder, "packing_step.md", "Packed rows vs padded batches", table, append=True)
+
+
+def _plot(rows: dict[str, list[tuple[float, int, int]]], folder) -> None:
+    """Per timed step: real tokens/s and activation memory of both layouts, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = range(1, len(rows["padded"]) + 1)
+    for kind, color in (("padded", "tab:red"), ("packed", "tab:blue")):
+        speed.plot(steps, [r[0] for r in rows[kind]], "o-", color=color, label=kind)
+        memory.plot(steps, [r[1] / 2**20 for r in rows[kind]], "o-", color=color, label=kind)
+    speed.set(xlabel="timed step (same documents for both layouts)", ylabel="real tokens / s", ylim=(0, None))
+    memory.set(xlabel="timed step", ylabel="activation MiB (saved for backward)", ylim=(0, None))
+    for ax in (speed, memory):
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle("Packed rows vs padded batches (one process, fp32)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(folder / "packing_step.png", dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ def test_image_rows_are_not_mistaken_for_packed_rows():
 CP_LENGTHS = [20, 16, 1, 2, 14, 3, 16, 1, 45, 20]
 
 
-def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int, rows_per_replica: int) -> None:
+def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int, rows_per_replica: int, ac: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -206,7 +206,7 @@ def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int, rows_pe
     mesh = init_device_mesh("cpu", (1, dp, cp, tp), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     reference, model = _models()
-    PARALLELIZER.apply(model, mesh)
+    PARALLELIZER.apply(model, mesh, activation_checkpointing=ac)
     vocab = reference.config.vocab_size
     # Every row its own documents (the same lengths in another order, so every row's loss
     # has the same number of predictions and the oracle is the mean of the rows' losses).
@@ -240,11 +240,12 @@ def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int, rows_pe
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "dp,cp,tp,rows",
-    [(1, 2, 1, 1), (1, 4, 1, 2), (2, 2, 1, 1), (1, 2, 2, 1)],
-    ids=["cp2", "cp4-two-rows", "dp2xcp2", "cp2xtp2"],
+    "dp,cp,tp,rows,ac",
+    # dp2xcp2 with activation checkpointing: the recomputed layers get the same documents.
+    [(1, 2, 1, 1, False), (1, 4, 1, 2, False), (2, 2, 1, 1, True), (1, 2, 2, 1, False)],
+    ids=["cp2", "cp4-two-rows", "dp2xcp2-ac", "cp2xtp2"],
 )
-def test_packed_rows_under_context_parallelism_equal_the_documents_alone(dp, cp, tp, rows):
+def test_packed_rows_under_context_parallelism_equal_the_documents_alone(dp, cp, tp, rows, ac):
     from _dist import run_world
 
-    run_world(_cp_packing_worker, dp * cp * tp, dp, cp, tp, rows)
+    run_world(_cp_packing_worker, dp * cp * tp, dp, cp, tp, rows, ac)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from .model.detect import Qwen35Parts, peft_base_model, qwen35_parts, unwrap_qwen35
+from .model.detect import Qwen35Parts, qwen35_parts, unwrap_qwen35
 from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
 from .parallel.activation_checkpointing import apply_activation_checkpointing
 from .parallel.context_parallel.model import (
@@ -92,8 +92,7 @@ class Qwen3_5ModelParallelizer:
         rank's vocab slice. Needs untied embeddings and tp dividing the vocab size.
 
         Preconditions: `torch.distributed` is initialised; `model` is a dense Qwen3.5
-        model, possibly inside a PEFT adapter wrapper (LoRA; not with tp > 1:
-        NotImplementedError), (TypeError otherwise) not yet sharded; `device_mesh` has a dim (own or
+        model (TypeError otherwise), possibly inside a PEFT LoRA wrapper, not yet sharded; `device_mesh` has a dim (own or
         flattened) named `dp_shard_cp_mesh_name` (ValueError otherwise). The
         `dp_replicate`, `cp` and `tp` dims are optional (absent = size 1); a replicate
         dim of size > 1 gives HSDP over (`dp_replicate`, `dp_shard_cp`).
@@ -109,11 +108,6 @@ class Qwen3_5ModelParallelizer:
         dims = ParallelDims(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, cp_mesh_name, tp_mesh_name)
         tp_size, cp_size = dims.tp_size, dims.cp_size
         if tp_size > 1:
-            if base is not model and peft_base_model(model) is not None:
-                raise NotImplementedError(
-                    f"tensor parallelism (tp size {tp_size}) of a PEFT-wrapped model ({type(model).__name__}) is not "
-                    "supported yet; use tp size 1 (FSDP2 and context parallelism take PEFT models)"
-                )
             check_tp_divisible(base.config.get_text_config(), tp_size)
             if vocab_parallel_lm_head:
                 check_vocab_parallel(base, tp_size)

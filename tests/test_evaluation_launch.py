@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen35_accel.testing.launch import REPO, accelerate_launch_command, describe, run_launch
+from qwen35_accel.testing.launch import (
+    REPO,
+    accelerate_launch_command,
+    describe,
+    run_launch,
+)
 
 pytestmark = pytest.mark.multiprocess
 

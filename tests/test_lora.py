@@ -11,11 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
-
 from _dist import run_world
 from _parity import assert_close, assert_grads_match, full
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,26 +41,17 @@ def mesh_of(world: int, cp: int):
     return mesh
 
 
-def _lora_parity_worker(rank: int, world: int, cp: int, activation_checkpointing: bool) -> None:
-    from qwen35_accel import PARALLELIZER
+def backward_and_check_loss(model, reference, mesh, *, dp: int, cp: int) -> None:
+    """One forward/backward of both models on the same global batch (this rank: its replica's
+    rows, its cp chunks); the loss averaged over the replicas equals the reference's."""
     from qwen35_accel.context_parallel import shard_batch
     from qwen35_accel.testing.tiny import random_batch
 
-    reference, model = lora_model(), lora_model()
-    targets = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")}
-    assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
-            "gate_proj", "up_proj", "down_proj"} <= targets, targets
-    mesh = mesh_of(world, cp)
-    PARALLELIZER.apply(model, mesh, activation_checkpointing=activation_checkpointing)
-
-    dp = world // cp
     batch = random_batch(ROWS_PER_REPLICA * dp, SEQ, reference.config.vocab_size, seed=7)
     replica = mesh["dp_shard"].get_local_rank()
-    rows = slice(replica * ROWS_PER_REPLICA, (replica + 1) * ROWS_PER_REPLICA)
-    local = {k: v[rows] for k, v in batch.items()}
+    local = {k: v[replica * ROWS_PER_REPLICA : (replica + 1) * ROWS_PER_REPLICA] for k, v in batch.items()}
     if cp > 1:
         local = shard_batch(local, mesh["cp"])
-
     ref_loss = reference(**batch).loss
     ref_loss.backward()
     loss = model(**local).loss
@@ -70,6 +60,19 @@ def _lora_parity_worker(rank: int, world: int, cp: int, activation_checkpointing
     loss = loss.detach().clone()
     dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh["dp_shard"].get_group())
     assert_close(loss, ref_loss.detach(), "loss")
+
+
+def _lora_parity_worker(rank: int, world: int, cp: int, activation_checkpointing: bool) -> None:
+    from qwen35_accel import PARALLELIZER
+
+    reference, model = lora_model(), lora_model()
+    targets = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+            "gate_proj", "up_proj", "down_proj"} <= targets, targets
+    mesh = mesh_of(world, cp)
+    PARALLELIZER.apply(model, mesh, activation_checkpointing=activation_checkpointing)
+
+    backward_and_check_loss(model, reference, mesh, dp=world // cp, cp=cp)
     trainable = assert_grads_match(model, reference)  # frozen: no gradient; adapters: the reference's
     assert trainable == sum(p.requires_grad for p in reference.parameters()) > 0
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
@@ -158,14 +161,39 @@ def test_detection_looks_through_peft_wrappers_only_around_dense_qwen35() -> Non
     assert not is_dense_qwen35(prompt)
 
 
-def _lora_tp_worker(rank: int, world: int) -> None:
+def _lora_tp_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None:
+    """Adapters split with their base layer: loss, every adapter gradient (gathered into the
+    Transformers/PEFT layout) and the gathered state dict equal the single-process PEFT model."""
     from qwen35_accel import PARALLELIZER
+    from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
 
-    mesh = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("dp_shard", "cp", "tp"))
+    reference, model = lora_model(), lora_model()
+    mesh = init_device_mesh("cpu", (1, dp, cp, tp), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    with pytest.raises(NotImplementedError, match=r"tensor parallelism \(tp size 2\) of a PEFT-wrapped model"):
-        PARALLELIZER.apply(lora_model(), mesh)
+    PARALLELIZER.apply(model, mesh)
+    qkv = model.get_base_model().model.layers[0].linear_attn.in_proj_qkv
+    ref_qkv = reference.get_base_model().model.layers[0].linear_attn.in_proj_qkv
+    # Row-split base: lora_B split like it, lora_A whole.
+    assert qkv.lora_B["default"].weight.shape[0] * tp == ref_qkv.lora_B["default"].weight.shape[0]
+    assert qkv.lora_A["default"].weight.shape == ref_qkv.lora_A["default"].weight.shape
+
+    backward_and_check_loss(model, reference, mesh, dp=dp, cp=cp)
+    ref = dict(reference.named_parameters())
+    checked = 0
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, name
+            continue
+        assert_close(gather_tensor_parallel(model, name, p.grad), ref[name].grad, f"grad of {name}")
+        checked += 1
+    assert checked == sum(p.requires_grad for p in reference.parameters()) > 0
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+    expected = reference.state_dict()
+    assert set(state) == set(expected)
+    for key, value in expected.items():
+        assert_close(state[key], value, f"state_dict[{key}]")
 
 
-def test_lora_under_tensor_parallelism_is_refused_naming_the_tp_size() -> None:
-    run_world(_lora_tp_worker, 2)
+@pytest.mark.parametrize("world,dp,cp,tp", [(2, 1, 1, 2), (4, 1, 2, 2)], ids=["tp2", "cp2xtp2"])
+def test_lora_under_tensor_parallelism_matches_single_process(world: int, dp: int, cp: int, tp: int) -> None:
+    run_world(_lora_tp_worker, world, dp, cp, tp)

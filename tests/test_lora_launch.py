@@ -14,7 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qwen35_accel.testing.launch import CONFIGS, RECIPE, accelerate_launch_command, describe, run_launch
+from qwen35_accel.testing.launch import (
+    CONFIGS,
+    RECIPE,
+    accelerate_launch_command,
+    describe,
+    run_launch,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -49,8 +55,9 @@ def reference(tmp_path_factory) -> Path:
         ("cpu_fsdp2.yaml", "2", "SHARDED_STATE_DICT", 1e-5),
         ("cpu_fsdp2_cp2.yaml", "4", "FULL_STATE_DICT", 1e-4),
         ("cpu_fsdp2_dp2_cp2.yaml", "2", "FULL_STATE_DICT", 1e-4),
+        ("cpu_fsdp2_tp2.yaml", "2", "FULL_STATE_DICT", 1e-4),
     ],
-    ids=["fsdp2", "fsdp2-sharded-state-dict", "cp2", "dp2xcp2"],
+    ids=["fsdp2", "fsdp2-sharded-state-dict", "cp2", "dp2xcp2", "dp2xtp2"],
 )
 def test_lora_launch_trains_as_one_process_and_saves_the_same_adapter(reference, tmp_path, config, per_device, state_dict_type, rtol):
     from peft import PeftModel
@@ -63,8 +70,9 @@ def test_lora_launch_trains_as_one_process_and_saves_the_same_adapter(reference,
         str(yaml), RECIPE, *COMMON, "--output_dir", str(out), "--per_device_train_batch_size", per_device
     )))
     assert PREPARED in result.stderr
-    # fp32 rtol 1e-5: FSDP2's reduction order; 1e-4 under CP (per-chunk partial gradients
-    # reduced over cp, carried into later losses by 4 SGD steps), as for full fine-tuning.
+    # fp32 rtol 1e-5: FSDP2's reduction order; 1e-4 under CP / TP (per-chunk or per-head
+    # partial gradients reduced over cp / tp, carried into later losses by 4 SGD steps), as
+    # for full fine-tuning.
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close(torch.tensor(logged(out, key)), torch.tensor(logged(reference, key)), rtol=rtol, atol=0,
                                    msg=lambda m, key=key: f"{key}: {m}")
@@ -83,7 +91,7 @@ def test_lora_launch_trains_as_one_process_and_saves_the_same_adapter(reference,
 
 
 def test_lora_resume_from_checkpoint_continues_with_the_uninterrupted_losses(tmp_path):
-    launch = lambda out, *args: _checked(run_launch(accelerate_launch_command(  # noqa: E731
+    launch = lambda out, *args: _checked(run_launch(accelerate_launch_command(
         "cpu_fsdp2.yaml", RECIPE, "--lora", "--max_steps", "4", "--logging_steps", "1", "--seed", "0",
         "--learning_rate", "1.0", "--per_device_train_batch_size", "2", "--output_dir", str(out), *args)))
     full = tmp_path / "full"

@@ -121,7 +121,10 @@ def _assemble_logits(model: nn.Module, logits: Any, cp_mesh: Any, local_seq: int
     """Every tensor of `logits` whose dim 1 is the local sequence: gathered over cp and cut to
     `seq`; a vocab-parallel lm_head's `[…, vocab / tp]` slice: gathered over tp."""
     from ..context_parallel import gather_sequence
-    from ..parallel.tensor_parallel import VOCAB_GROUP_ATTR, gather_vocab_parallel_logits
+    from ..parallel.tensor_parallel import (
+        VOCAB_GROUP_ATTR,
+        gather_vocab_parallel_logits,
+    )
 
     vocab_parallel = getattr(model, VOCAB_GROUP_ATTR, None) is not None
     local_vocab = model.get_output_embeddings().weight.shape[0] if vocab_parallel else None  # type: ignore[union-attr]

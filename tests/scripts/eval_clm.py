@@ -89,7 +89,7 @@ def main(out: str, per_device_eval_batch_size: int) -> None:
     if trainer.is_world_process_zero():
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "results.json").write_text(json.dumps(results, indent=1))
-        first = lambda p: p[0] if isinstance(p, tuple) else p  # noqa: E731  (the model's extra outputs, if any)
+        first = lambda p: p[0] if isinstance(p, tuple) else p
         torch.save(
             {"labeled": torch.as_tensor(first(labeled.predictions)), "label_ids": torch.as_tensor(labeled.label_ids),
              "unlabeled": torch.as_tensor(first(plain.predictions))},

@@ -105,6 +105,55 @@ def _layouts(layer: nn.Module, config: Any) -> dict[str, _Sliced]:
     return out
 
 
+class TensorParallelReplicatedLinear(nn.Linear):
+    """A LoRA factor kept whole beside a split base layer (`lora_A` of a row-split base,
+    `lora_B` of a column-split one): used on this rank's share of the work, so its gradient
+    is all-reduced over the tp group, as the TP norms' weights are."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = getattr(self, TP_GROUP_ATTR)
+        bias = copy_to_tp(self.bias, group) if self.bias is not None else None
+        return nn.functional.linear(x, copy_to_tp(self.weight, group), bias)
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    """A PEFT LoRA layer: the wrapped `base_layer` and the adapters' `lora_A`/`lora_B`."""
+    return hasattr(module, "base_layer") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+
+
+def _with_adapters(layer: nn.Module, layouts: dict[str, _Sliced]) -> tuple[dict[str, _Sliced], list[nn.Module]]:
+    """`layouts` for a layer whose linear layers PEFT may have wrapped: each wrapped base
+    weight under `….base_layer.…`, and its adapters split consistently with it (a row-split
+    base: `lora_B` by the same rows, `lora_A` whole; a column-split base: `lora_A` by the same
+    columns, `lora_B` whole). Returns the layouts and the factors kept whole."""
+    out: dict[str, _Sliced] = {}
+    whole: list[nn.Module] = []
+    for path, sliced in layouts.items():
+        owner_path, _, name = path.rpartition(".")
+        owner = layer.get_submodule(owner_path)
+        if not hasattr(owner, "base_layer"):
+            out[path] = sliced
+            continue
+        what = f"{type(layer).__name__}.{owner_path} ({type(owner).__name__})"
+        if not _is_lora_layer(owner):
+            raise NotImplementedError(f"tensor parallelism of PEFT layers other than LoRA is not supported: {what}")
+        out[f"{owner_path}.base_layer.{name}"] = sliced
+        if name != "weight":
+            continue
+        for adapter in owner.lora_A:
+            if getattr(owner, "use_dora", {}).get(adapter, False):
+                raise NotImplementedError(f"DoRA under tensor parallelism is not supported (adapter {adapter!r} of {what})")
+            if owner.lora_B[adapter].bias is not None:
+                raise NotImplementedError(f"LoRA with lora_bias under tensor parallelism is not supported (adapter {adapter!r} of {what})")
+            if sliced.kind == "rows":
+                out[f"{owner_path}.lora_B.{adapter}.weight"] = sliced
+                whole.append(owner.lora_A[adapter])
+            else:
+                out[f"{owner_path}.lora_A.{adapter}.weight"] = _COLS
+                whole.append(owner.lora_B[adapter])
+    return out, whole
+
+
 def _input_hook(group: dist.ProcessGroup) -> Callable[..., Any]:
     """A block's forward pre-hook: f on its input (`hidden_states`, or the first argument)."""
 
@@ -148,6 +197,8 @@ def _split_module(module: nn.Module, layouts: dict[str, _Sliced], tp_mesh: Devic
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
     """Split a dense Qwen3.5 model's decoder layers by heads over `tp_mesh`, in place.
 
+    PEFT LoRA layers are split with their base (`_with_adapters`); DoRA, `lora_bias` and
+    other PEFT tuners raise NotImplementedError naming the layer.
     Preconditions: fp32 gate holders installed; not yet sharded by FSDP2; the same
     weights on every tp rank (they are sliced, not communicated). Creates new Parameter
     objects: build the optimizer afterwards. Returns the number of layers split.
@@ -159,7 +210,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
     group = tp_mesh.get_group()
     check_divisible(config, tp)
     for layer in parts.decoder_layers:
-        _split_module(layer, _layouts(layer, config), tp_mesh)
+        layouts, whole = _with_adapters(layer, _layouts(layer, config))
+        _split_module(layer, layouts, tp_mesh)
+        for factor in whole:
+            if type(factor) is not nn.Linear:
+                raise NotImplementedError(f"a LoRA factor of type {type(factor).__name__} under tensor parallelism")
+            factor.__class__ = TensorParallelReplicatedLinear
+            setattr(factor, TP_GROUP_ATTR, group)
         if layer.block_type == "linear_attention":
             gdn = layer.linear_attn
             gdn.num_v_heads //= tp
@@ -208,6 +265,9 @@ def apply_vocab_parallel_lm_head(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     Preconditions: as `apply_tensor_parallel`; see `check_vocab_parallel`.
     """
     check_vocab_parallel(model, tp_mesh.size())
+    if hasattr(qwen35_parts(model).lm_head, "base_layer"):
+        raise NotImplementedError("a vocab-parallel lm_head wrapped by PEFT (LoRA on the lm_head) is not supported; "
+                                  "leave the lm_head out of target_modules or vocab_parallel_lm_head off")
     group = tp_mesh.get_group()
     lm_head = qwen35_parts(model).lm_head
     _split_module(lm_head, {name: _rows(p.shape[0]) for name, p in lm_head.named_parameters(recurse=False)}, tp_mesh)

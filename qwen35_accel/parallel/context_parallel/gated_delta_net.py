@@ -19,25 +19,11 @@ from transformers.activations import ACT2FN
 
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
 from ...ops.documents import per_document_with_state
-from ...ops.gated_delta import Kernel, chunk_summary, fold_states, read_state
+from ...ops.gated_delta import Kernel, chunk_summary, read_state
 from .collectives import all_gather_with_grad
 from .documents import DOCUMENTS_KWARG, ShardedDocuments
 from .layout import chunk_owner, rank_chunks
-
-
-def _incoming_states(local: torch.Tensor, group: dist.ProcessGroup, k_dim: int) -> list[torch.Tensor]:
-    """States entering each of the 2·cp chunks, from this rank's two chunk summaries
-    `local` [2, batch, v_heads, k_dim, k_dim + v_dim] (`[M | U]`, slots in layout order):
-    one all-gather, then every rank folds all summaries in sequence order."""
-    cp = dist.get_world_size(group)
-    gathered = all_gather_with_grad(local, group)  # [cp, 2, …]
-    transitions, updates = [], []
-    for chunk in range(2 * cp):
-        owner, slot = chunk_owner(chunk, cp)
-        M, U = gathered[owner, slot].split([k_dim, gathered.shape[-1] - k_dim], dim=-1)
-        transitions.append(M)
-        updates.append(U)
-    return fold_states(transitions, updates)
+from .state_exchange import incoming_states
 
 
 def cp_gated_delta_rule(
@@ -51,6 +37,7 @@ def cp_gated_delta_rule(
     use_qk_l2norm: bool = True,
     kernel: Kernel | None = None,
     documents: ShardedDocuments | None = None,
+    exchange: str = "auto",
 ) -> torch.Tensor:
     """The chunked gated delta rule over a sequence sharded across `group` (cp ranks).
 
@@ -60,19 +47,20 @@ def cp_gated_delta_rule(
     output [batch, local_seq, v_heads, v_dim] in `value`'s dtype, equal to the
     single-process rule on the whole sequence (zero initial state). With `documents`
     (packed rows) every document starts from a zero state, wherever it lies.
-    Communication: one all-gather of 2 × [batch, v_heads, k_dim, k_dim + v_dim] fp32 per
-    rank (and its reduce in backward).
+    Communication: the two chunk summaries, 2 × [batch, v_heads, k_dim, k_dim + v_dim]
+    fp32, cross the ranks by `exchange` (`state_exchange.incoming_states`: one all-gather,
+    or a log-depth scan from cp 8 on under "auto"); backward moves the same bytes back.
     """
     if documents is not None:
         return _cp_packed_gated_delta_rule(
-            query, key, value, g, beta, documents, group=group, use_qk_l2norm=use_qk_l2norm, kernel=kernel
+            query, key, value, g, beta, documents, group=group, use_qk_l2norm=use_qk_l2norm, kernel=kernel,
+            exchange=exchange,
         )
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
     halves = [t.chunk(2, dim=1) for t in (query, key, value, g, beta)]
     summaries = [chunk_summary(*(h[slot] for h in halves), use_qk_l2norm=use_qk_l2norm, kernel=kernel) for slot in (0, 1)]
     local = torch.stack([torch.cat([M, U], dim=-1) for _, _, M, U in summaries])
-    states = _incoming_states(local, group, key.shape[-1])
-    outputs = [read_state(o0, w, states[chunk]) for (o0, w, _, _), chunk in zip(summaries, rank_chunks(rank, cp))]
+    states = incoming_states(local, group, key.shape[-1], exchange=exchange)
+    outputs = [read_state(o0, w, state) for (o0, w, _, _), state in zip(summaries, states)]
     return torch.cat(outputs, dim=1).to(value.dtype)
 
 
@@ -87,6 +75,7 @@ def _cp_packed_gated_delta_rule(
     group: dist.ProcessGroup,
     use_qk_l2norm: bool,
     kernel: Kernel | None,
+    exchange: str,
 ) -> torch.Tensor:
     """`cp_gated_delta_rule` for packed rows (shapes as there).
 
@@ -96,7 +85,6 @@ def _cp_packed_gated_delta_rule(
     and the chunk passes its incoming state on (M = the piece's M) only when that piece
     is the whole chunk and not a start; otherwise M = 0 and U is the last piece's state.
     """
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
     batch, local_seq, v_heads, v_dim = value.shape
     k_dim, half = key.shape[-1], local_seq // 2
     starts = documents.starts
@@ -118,12 +106,12 @@ def _cp_packed_gated_delta_rule(
     passes_on = (first == last) & ~starts[:, [0, half]]
     M = per_piece[first][..., :k_dim] * passes_on[..., None, None, None]
     U = per_piece[last][..., k_dim:]
-    states = _incoming_states(torch.cat([M, U], dim=-1).transpose(0, 1), group, k_dim)
+    states = incoming_states(torch.cat([M, U], dim=-1).transpose(0, 1), group, k_dim, exchange=exchange)
     outputs = []
-    for slot, chunk in enumerate(rank_chunks(rank, cp)):
+    for slot, state in enumerate(states):
         part = slice(slot * half, (slot + 1) * half)
         reads = (starts[:, part].long().cumsum(dim=1) == 0)[..., None, None]  # still in the chunk's first piece
-        outputs.append(read_state(o0[:, part], w[:, part] * reads, states[chunk]))
+        outputs.append(read_state(o0[:, part], w[:, part] * reads, state))
     return torch.cat(outputs, dim=1).to(value.dtype)
 
 
@@ -198,6 +186,9 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
     """
 
     _cp_group: dist.ProcessGroup | None = None
+    # How the chunk summaries cross the ranks: "auto", "allgather" or "scan"
+    # (`state_exchange`); set it on the class or on one layer to force either.
+    state_exchange: str = "auto"
 
     def check_call(self, cache: Any | None, kwargs: dict[str, Any]) -> None:
         if self._cp_group is None:
@@ -235,4 +226,7 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
     ) -> torch.Tensor:
         if self._cp_group is None:
             return super().core(query, key, value, g, beta, cache, kwargs)
-        return cp_gated_delta_rule(query, key, value, g, beta, group=self._cp_group, documents=kwargs.get(DOCUMENTS_KWARG))
+        return cp_gated_delta_rule(
+            query, key, value, g, beta, group=self._cp_group, documents=kwargs.get(DOCUMENTS_KWARG),
+            exchange=self.state_exchange,
+        )

@@ -35,11 +35,12 @@ def test_settings_defaults_env_and_errors():
 def test_patch_points_install_idempotently_restore_and_respect_the_version_guard(monkeypatch):
     import accelerate
     import transformers.trainer
+    import trl.trainer.dpo_trainer  # noqa: F401  (the module of a deferred point)
     from accelerate.accelerator import Accelerator
 
     from qwen35_accel.integrations import accelerate as plugin
 
-    plugin.install()  # the deferred Trainer point, now that transformers.trainer is imported
+    plugin.install()  # the deferred Trainer and TRL points, now that their modules are imported
     assert hasattr(transformers.trainer.Trainer.save_model, "__qwen35_accel_original__")
 
     # The autoload (torch entry point) has already installed the plugin in this process.

@@ -56,18 +56,21 @@ def data_parallel_2(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize(
-    "config,per_device,env,shows",
+    "config,per_device,env,shows,flags",
     [
-        ("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2"),
-        ("cpu_fsdp2_dp2_cp2.yaml", "2", {}, "cp=2"),
-        ("cpu_fsdp2_tp2.yaml", "2", {}, "tp=2"),
-        ("cpu_fsdp2_tp2.yaml", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}, "tp=2"),
+        ("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2", ()),
+        ("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2", ("--no_train",)),  # prepared for evaluation alone
+        ("cpu_fsdp2_dp2_cp2.yaml", "2", {}, "cp=2", ()),
+        ("cpu_fsdp2_tp2.yaml", "2", {}, "tp=2", ()),
+        ("cpu_fsdp2_tp2.yaml", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}, "tp=2", ()),
     ],
-    ids=["cp2", "dp2xcp2", "dp2xtp2", "dp2xtp2-vocab-parallel"],
+    ids=["cp2", "cp2-eval-only", "dp2xcp2", "dp2xtp2", "dp2xtp2-vocab-parallel"],
 )
-def test_evaluate_and_predict_under_cp_and_tp_equal_one_process(single, data_parallel_2, tmp_path, config, per_device, env, shows):
+def test_evaluate_and_predict_under_cp_and_tp_equal_one_process(single, data_parallel_2, tmp_path, config, per_device, env,
+                                                                 shows, flags):
     out = tmp_path / "run"
-    stderr = _run(accelerate_launch_command(config, SCRIPT, str(out), "--per_device_eval_batch_size", per_device), env)
+    command = accelerate_launch_command(config, SCRIPT, str(out), "--per_device_eval_batch_size", per_device, *flags)
+    stderr = _run(command, env)
     assert PREPARED in stderr and shows in stderr
     got, got_pred = _outputs(out)
     want, want_pred = _outputs(single)

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import checkpoints, cpu_backend, evaluation, preparation, step_hooks
+from . import checkpoints, cpu_backend, evaluation, preparation, several_models, step_hooks
 from .settings import PluginSettings
 
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -49,6 +49,7 @@ class VersionGuard:
 
 ACCELERATE = VersionGuard("accelerate", ">=1.15,<1.16")
 TRANSFORMERS = VersionGuard("transformers", ">=5.24,<5.25")
+TRL = VersionGuard("trl", ">=1.16,<1.17")
 # The tested ranges, as `qwen35-accel env` and the README show them.
 TESTED_ACCELERATE, TESTED_TRANSFORMERS = ACCELERATE.tested, TRANSFORMERS.tested
 
@@ -74,6 +75,16 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(
         "accelerate.state", "AcceleratorState.__init__", cpu_backend.accelerator_state_init, ACCELERATE,
         "then MULTI_CPU with an FSDP plugin becomes DistributedType.FSDP (stock ignores the plugin on CPU)",
+    ),
+    PatchPoint(
+        "accelerate.accelerator", "Accelerator.__init__", several_models.accelerator_init, ACCELERATE,
+        "every model: then the deferred points whose modules are imported by now (a Trainer subclass may prepare a "
+        "reference model before any prepare call)",
+    ),
+    PatchPoint(
+        "accelerate.accelerator", "Accelerator.prepare", several_models.prepare, ACCELERATE,
+        "several dense Qwen3.5 models under FSDP2: those no optimizer holds (a frozen reference) get our units too "
+        "(stock: 'Only one model is supported when using FSDP2')",
     ),
     PatchPoint(
         "accelerate.accelerator", "Accelerator._prepare_tp", preparation.prepare_tp, ACCELERATE,
@@ -133,6 +144,11 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "transformers.trainer", "Trainer.save_model", checkpoints.trainer_save_model, TRANSFORMERS,
         "dense Qwen3.5 under FSDP2 with a sharded state dict type: the explicit save_model writes a Hugging Face "
         "checkpoint from the gathered weights (stock writes no weights at all)",
+    ),
+    PatchPoint(
+        "trl.trainer.dpo_trainer", "prepare_fsdp", several_models.trl_prepare_fsdp, TRL,
+        "DPOTrainer's reference model, dense Qwen3.5 under FSDP2: our units and CP/TP layers (stock TRL: one "
+        "fully_shard on the whole model)",
     ),
 )
 

@@ -58,10 +58,13 @@ def clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
         from ..parallel.tensor_parallel import clip_grad_norm_, tensor_parallel_group
 
         models = [m for m in getattr(self, "_models", []) if getattr(m, "_qwen35_accel_prepared", False)]
-        if len(models) == 1 and tensor_parallel_group(models[0]) is not None:
+        models = [m for m in models if tensor_parallel_group(m) is not None]
+        if models:
             parameters = list(parameters)
-            if {id(p) for p in parameters} == {id(p) for p in models[0].parameters()}:
-                return clip_grad_norm_(models[0], max_norm, norm_type)
+            given = {id(p) for p in parameters}
+            for model in models:  # the one being clipped (a frozen reference model may be prepared too)
+                if given == {id(p) for p in model.parameters()}:
+                    return clip_grad_norm_(model, max_norm, norm_type)
             raise NotImplementedError(
                 "clip_grad_norm_ on a subset of a tensor-parallel Qwen3.5 model's parameters is not supported; "
                 "pass model.parameters()"

@@ -1,6 +1,10 @@
 """Trainer evaluation and prediction as Transformers' `run_clm.py --do_eval` does them, on the tiny model.
 
-    [accelerate launch --config_file …] tests/scripts/eval_clm.py OUT_DIR --per_device_eval_batch_size N
+    [accelerate launch --config_file …] tests/scripts/eval_clm.py OUT_DIR --per_device_eval_batch_size N [--no_train]
+
+`--no_train`: evaluate and predict the freshly built model (the Trainer prepares it for
+evaluation alone); otherwise one training step with lr 0 comes first, as run_clm.py's
+`--do_train --do_eval`.
 
 A plain Trainer script (it never imports qwen35_accel's plugin API): the recipe's tiny
 Qwen3.5 (weights made deterministic and sharp enough that argmax ties cannot flip), the
@@ -64,8 +68,8 @@ def main(out: str, per_device_eval_batch_size: int) -> None:
     args = TrainingArguments(
         output_dir=out, per_device_eval_batch_size=per_device_eval_batch_size, report_to="none",
         remove_unused_columns=False, disable_tqdm=True, eval_do_concat_batches=True,
-        # One training step with lr 0, as `run_clm.py --do_train --do_eval` prepares the model (stock Accelerate
-        # refuses an FSDP2 prepare without an optimizer) and leaves the weights unchanged.
+        # One training step with lr 0 (unless --no_train), as `run_clm.py --do_train --do_eval`: the model is
+        # prepared with its optimizer, and the weights stay unchanged.
         max_steps=1, per_device_train_batch_size=2, learning_rate=0.0, optim="sgd", save_strategy="no",
     )
     data = recipe.build_dataset(script_args, args, tokenizer)
@@ -75,7 +79,8 @@ def main(out: str, per_device_eval_batch_size: int) -> None:
 
     trainer = Trainer(model=model, args=args, data_collator=collator, train_dataset=data, compute_metrics=compute_metrics_from_argmax,
                       preprocess_logits_for_metrics=preprocess_logits_for_metrics)
-    trainer.train()
+    if "--no_train" not in sys.argv:
+        trainer.train()
     results = {
         "argmax_even": trainer.evaluate(even),
         "argmax_remainder": trainer.evaluate(remainder),

@@ -1,0 +1,67 @@
+"""A policy and a frozen reference model per run, against one process: TRL's `DPOTrainer`
+with a `ref_model` (tests/scripts/trl_dpo.py) and a custom loop's
+`accelerator.prepare(model, ref_model, optimizer)` (tests/scripts/two_models.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwen35_accel.testing.launch import (
+    REPO,
+    accelerate_launch_command,
+    describe,
+    run_launch,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+PREPARED = "Qwen3_5ForCausalLM prepared by qwen35_accel"
+
+
+def _run(command: list[str]) -> str:
+    result = run_launch(command)
+    assert result.returncode == 0, describe(result)
+    assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
+    return result.stderr
+
+
+def _dpo_history(out: Path) -> dict[str, torch.Tensor]:
+    logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+    assert len(logged) == 4
+    keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+    return {key: torch.tensor([e[key] for e in logged]) for key in keys}
+
+
+def test_dpo_trainer_with_a_reference_model_under_fsdp2_matches_one_process(tmp_path):
+    script = REPO / "tests" / "scripts" / "trl_dpo.py"
+    single = tmp_path / "single"
+    _run([sys.executable, str(script), str(single), "4"])  # per-device 4 = the launch's global batch
+    out = tmp_path / "fsdp2"
+    stderr = _run(accelerate_launch_command("cpu_fsdp2.yaml", script, str(out), "2"))
+    assert stderr.count(PREPARED) == 2, "the reference model did not get qwen35_accel's units"
+    got, want = _dpo_history(out), _dpo_history(single)
+    assert got["rewards/chosen"][1:].abs().max() > 0  # the policy moved away from the reference
+    for key in want:
+        # fp32 rtol 1e-5: FSDP2's reduction order (atol for the first step's zero rewards).
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-7, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("config", ["cpu_fsdp2.yaml", "cpu_fsdp2_cp2.yaml"], ids=["fsdp2", "cp2"])
+def test_prepare_with_a_frozen_reference_model_prepares_both_and_matches_one_process(tmp_path, config):
+    script = REPO / "tests" / "scripts" / "two_models.py"
+    single = tmp_path / "single"
+    _run([sys.executable, str(script), str(single)])
+    out = tmp_path / "run"
+    stderr = _run(accelerate_launch_command(config, script, str(out)))
+    assert stderr.count(PREPARED) == 2
+    got, want = (json.loads((d / "losses.json").read_text()) for d in (out, single))
+    assert got["prepared"] == [True, True]
+    for key in ("policy", "reference"):
+        # fp32 rtol 1e-5: reduction order over ranks (dp) or chunks (cp), 3 SGD steps.
+        torch.testing.assert_close(torch.tensor(got["losses"][key]), torch.tensor(want["losses"][key]), rtol=1e-5, atol=0,
+                                   msg=lambda m, key=key: f"{key}: {m}")

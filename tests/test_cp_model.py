@@ -198,6 +198,7 @@ def _layer_comm_worker(rank: int, world: int) -> None:
     install_fp32_gate(model)
     install_context_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))  # no FSDP: CP traffic only
     layer = model.model.layers[0].linear_attn
+    layer.state_exchange = "allgather"  # the sizes below are the all-gather's (the scan: tests/test_cp_ops.py)
     measured = {}
     for seq in (256, 2048):
         hidden = torch.randn(1, seq // world, model.config.hidden_size, generator=torch.Generator().manual_seed(rank))

@@ -15,18 +15,48 @@ different ranks (`qwen35_accel.parallel.context_parallel`).
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
 
+# The chunked gated delta rule, called as Transformers' `torch_chunk_gated_delta_rule` and
+# FLA's `chunk_gated_delta_rule` both are: kernel(query, key, value, g=, beta=,
+# initial_state=, output_final_state=True, use_qk_l2norm_in_kernel=) -> (output, final state).
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def default_kernel() -> Kernel:
-    """Transformers' `torch_chunk_gated_delta_rule` (looked up at call time)."""
+def torch_kernel() -> Kernel:
+    """Transformers' chunked rule in plain torch (any device; differentiable; fp32 inside).
+
+    Transformers decorates `torch_chunk_gated_delta_rule` so that it calls FLA's kernel when
+    `fla` is importable, whatever the device; this is the torch function underneath.
+    """
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    return hf.torch_chunk_gated_delta_rule
+    return inspect.unwrap(hf.torch_chunk_gated_delta_rule)
+
+
+@functools.cache
+def fla_kernel() -> Kernel | None:
+    """FLA's `chunk_gated_delta_rule` (Triton, CUDA tensors only), or None without `fla`."""
+    try:
+        return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    except Exception:  # not installed, or installed without a working Triton
+        return None
+
+
+def select_kernel(device: torch.device) -> Kernel:
+    """The kernel for tensors on `device`: FLA's on CUDA when `fla` imports, else `torch_kernel()`.
+
+    The FLA branch is not verified in this project's CI (no GPU there; FLA's kernels do not
+    run under Triton's CPU interpreter).
+    """
+    if device.type == "cuda" and (fla := fla_kernel()) is not None:
+        return fla
+    return torch_kernel()
 
 
 def chunk_summary(
@@ -43,11 +73,12 @@ def chunk_summary(
 
     Args: `query`, `key` [batch, seq, k_heads, k_dim]; `value` [batch, seq, v_heads, v_dim]
     (v_heads a multiple of k_heads: GQA); `g` (log decay, ≤ 0) and `beta`
-    [batch, seq, v_heads]. Any float dtype; computed in fp32.
+    [batch, seq, v_heads]. Any float dtype; computed in fp32. `kernel` (see `Kernel`;
+    default `torch_kernel()`) runs once, on values `[v | 0]` from the state `[0 | I]`.
     Returns `(o0, w, M, U)`: o0 [batch, seq, v_heads, v_dim], w [batch, seq, v_heads,
     k_dim], M [batch, v_heads, k_dim, k_dim], U [batch, v_heads, k_dim, v_dim].
     """
-    kernel = kernel or default_kernel()
+    kernel = kernel or torch_kernel()
     batch, _, v_heads, v_dim = value.shape
     k_dim = key.shape[-1]
     f32 = torch.float32

@@ -19,7 +19,7 @@ from transformers.activations import ACT2FN
 
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
 from ...ops.documents import per_document_with_state
-from ...ops.gated_delta import Kernel, chunk_summary, read_state
+from ...ops.gated_delta import Kernel, chunk_summary, read_state, select_kernel
 from .collectives import all_gather_with_grad
 from .documents import DOCUMENTS_KWARG, ShardedDocuments
 from .layout import chunk_owner, rank_chunks
@@ -189,6 +189,10 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
     # How the chunk summaries cross the ranks: "auto", "allgather" or "scan"
     # (`state_exchange`); set it on the class or on one layer to force either.
     state_exchange: str = "auto"
+    # The chunk kernel of the local chunks and their summaries (`ops.gated_delta.Kernel`),
+    # chosen at the first CP forward from the device (`select_kernel`: FLA's on CUDA when
+    # installed, else torch's) and kept; assign one to override.
+    cp_kernel: Kernel | None = None
 
     def check_call(self, cache: Any | None, kwargs: dict[str, Any]) -> None:
         if self._cp_group is None:
@@ -226,7 +230,9 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
     ) -> torch.Tensor:
         if self._cp_group is None:
             return super().core(query, key, value, g, beta, cache, kwargs)
+        if self.cp_kernel is None:
+            self.cp_kernel = select_kernel(query.device)
         return cp_gated_delta_rule(
             query, key, value, g, beta, group=self._cp_group, documents=kwargs.get(DOCUMENTS_KWARG),
-            exchange=self.state_exchange,
+            exchange=self.state_exchange, kernel=self.cp_kernel,
         )

@@ -17,7 +17,7 @@ chunks a = r and b = 2·cp−1−r (`layout`) and needs S_a and S_b. Two exchang
 
 Affine maps compose associatively, (M2, U2) ∘ (M1, U1) = (M2 M1, M2 U1 + U2); the two
 exchanges differ only in the order of the products (fp32 rounding, ~1e-7 relative).
-`"auto"` takes the all-gather below `SCAN_FROM_CP` ranks and the scan from there on.
+`"auto"` takes the all-gather below `scan_from_cp(backend)` ranks and the scan from there on.
 """
 
 from __future__ import annotations
@@ -33,18 +33,27 @@ from .layout import chunk_owner, rank_chunks
 
 Exchange = Literal["auto", "allgather", "scan"]
 EXCHANGES: tuple[str, ...] = ("auto", "allgather", "scan")
-# From this cp size on "auto" scans. Bytes per rank: the scan sends ≤ 2·(1 + ⌈log2(2cp−1)⌉)
-# summaries, the all-gather receives 2·(cp − 1): fewer from cp 8 on (10 vs 14). Latency on
-# CPU/gloo: see benchmarks/results/cp_comm.md (the measured crossover).
-SCAN_FROM_CP = 8
+# From which cp size on "auto" scans, per backend. gloo: measured, the scan's forward +
+# backward takes 0.6-0.7x the all-gather's time at cp 2, 0.4x at cp 4, 0.1-0.2x at cp 8
+# (benchmarks/results/cp_comm.md; gloo's all-gather and all-to-all are slower than its
+# point-to-point on one machine). Elsewhere (NCCL: not measured yet) by bytes: the scan
+# sends at most 2·(1 + ⌈log2(2cp−1)⌉) summaries per rank, the all-gather 2·(cp − 1), fewer
+# from cp 8 on (10 vs 14), and below that one collective has the lowest latency.
+SCAN_FROM_CP: dict[str, int] = {"gloo": 2}
+SCAN_FROM_CP_DEFAULT = 8
 
 
-def resolve_exchange(exchange: str, cp: int) -> str:
-    """`"allgather"` or `"scan"` for a cp group of size `cp` (`"auto"`: by `SCAN_FROM_CP`)."""
+def scan_from_cp(backend: str) -> int:
+    """The smallest cp at which "auto" takes the scan on `backend` ("gloo", "nccl", …)."""
+    return SCAN_FROM_CP.get(backend, SCAN_FROM_CP_DEFAULT)
+
+
+def resolve_exchange(exchange: str, cp: int, backend: str = "nccl") -> str:
+    """`"allgather"` or `"scan"` for a cp group of size `cp` on `backend` (`"auto"`: by `scan_from_cp`)."""
     if exchange not in EXCHANGES:
         raise ValueError(f"state exchange {exchange!r} is not one of {EXCHANGES}")
     if exchange == "auto":
-        return "scan" if cp >= SCAN_FROM_CP else "allgather"
+        return "scan" if cp >= scan_from_cp(backend) else "allgather"
     return exchange
 
 
@@ -59,7 +68,7 @@ def incoming_states(
     Every rank of `group` must call it with the same shapes and `exchange`.
     """
     cp = dist.get_world_size(group)
-    if resolve_exchange(exchange, cp) == "scan":
+    if resolve_exchange(exchange, cp, dist.get_backend(group)) == "scan":
         states = _ScanStates.apply(local, group, k_dim)
         return states[0], states[1]
     return _allgather_states(local, group, k_dim)

@@ -1,23 +1,28 @@
-"""Context-parallel traffic of one GatedDeltaNet layer: ours vs all-gathering the hidden states.
+"""Context-parallel traffic of one GatedDeltaNet layer: ours vs all-gathering the hidden states,
+and the two state exchanges (one all-gather, a log-depth scan) at cp 2, 4 and 8.
 
-    python benchmarks/cp_comm.py [--measure-seqs 1024 2048 4096] [--cp 2] [--batch 1] [--smoke]
+    python benchmarks/cp_comm.py [--measure-seqs 1024 2048 4096] [--cp 2] [--exchange-cp 2 4 8] [--batch 1] [--smoke]
 
-Bytes each rank contributes per GatedDeltaNet layer, forward and backward:
-- ours (`ContextParallelGatedDeltaNet`): one all-gather of the conv halo (the last K-1
-  pre-conv inputs of each of the rank's two chunks) and one all-gather of the two chunk
-  state summaries (M, U in fp32); backward reduces the gradients of both gathered stacks;
+Bytes each rank sends per GatedDeltaNet layer, forward and backward:
+- ours (`ContextParallelGatedDeltaNet`, all-gather exchange): one all-gather of the conv
+  halo (the last K-1 pre-conv inputs of each of the rank's two chunks) and one all-gather
+  of the two chunk state summaries (M, U in fp32); backward reduce-scatters the gradients
+  of both gathered stacks (on gloo an all-to-all: `collectives.reduce_scatter_stack`);
 - all-gather (the simple approach): each GatedDeltaNet layer all-gathers the whole hidden
   sequence [B, S, hidden] (`all_gather_with_grad`), runs the unmodified Transformers layer
-  on it, keeps its local tokens; backward reduces the gradient of the gathered sequence.
+  on it, keeps its local tokens; backward reduce-scatters the gradient of the gathered sequence.
+- the state exchange alone (`state_exchange.incoming_states`), "allgather" and "scan", at
+  cp 2, 4, 8: bytes sent, what it keeps for backward (saved-tensor storages), latency.
 
-Convention: the payload a rank contributes to each collective: the all-gather input in
-forward; in backward the gradient tensor that is reduced (the whole gathered stack, cp x
-the forward payload: gloo all-reduces it, NCCL reduce-scatters it), in bytes of the tensor
-dtype. Assumed dtypes: bf16 compute (hidden states, halo), fp32 state summaries.
+Convention: bytes a rank sends, from each gloo collective's input as the profiler records
+it (`gloo:*` events: input shapes and dtypes): all_gather (ring) (cp−1) × input; all_to_all
+(cp−1)/cp × input (its own slot stays); all_reduce (ring) 2(cp−1)/cp × input; send × 1.
+Assumed dtypes: bf16 compute (hidden states, halo), fp32 state summaries.
 
-The formulas are checked against the torch profiler (`gloo:*` events, input shapes and
-dtypes) on a local gloo world at a few sequences that fit on CPU, for the 4B-like shape;
-any mismatch exits non-zero. Then the formulas give sequences 1k…128k at two shapes.
+The formulas are checked against the profiler on local gloo worlds (the layer at a few
+sequences that fit on CPU, 4B-like shape; the exchanges at the 4B-like and 27B-like
+summary shapes); any mismatch exits non-zero. Then the formulas give sequences 1k…128k
+and cp up to 32.
 """
 
 from __future__ import annotations
@@ -49,29 +54,72 @@ def conv_dim(shape: dict[str, int]) -> int:
     return 2 * shape["k_heads"] * shape["k_dim"] + shape["v_heads"] * shape["v_dim"]
 
 
-def ours_collectives(seq: int, cp: int, batch: int, shape: dict[str, int]) -> dict[str, list[tuple[str, int, str]]]:
-    """Per direction: (what, elements contributed by one rank, dtype) of each collective.
+def sent_fraction(collective: str, cp: int) -> float:
+    """Bytes a rank sends per byte of the collective's input (see the module's convention)."""
+    kind = collective.removeprefix("gloo:")
+    return {"all_gather": cp - 1, "all_to_all": (cp - 1) / cp, "all_reduce": 2 * (cp - 1) / cp, "send": 1.0,
+            "recv": 0.0}[kind]
 
-    forward:  halo      2·B·conv_dim·min(S/(2cp), K−1)         [compute dtype]
-              summaries 2·B·Hv·Dk·(Dk+Dv)                       [fp32]
-    backward: the same, × cp (gradient of the gathered [cp, …] stack).
+
+def ours_collectives(seq: int, cp: int, batch: int, shape: dict[str, int]) -> dict[str, list[tuple[str, int, str, str]]]:
+    """Per direction: (what, input elements of one rank, dtype, collective) of each collective.
+
+    forward:  halo      2·B·conv_dim·min(S/(2cp), K−1)         [compute dtype]  all_gather
+              summaries 2·B·Hv·Dk·(Dk+Dv)                       [fp32]           all_gather
+    backward: the gradient of each gathered [cp, …] stack (cp × the elements), all_to_all.
     conv_dim = 2·Hk·Dk + Hv·Dv. Independent of S once S/(2cp) ≥ K−1.
     """
     tail = min(seq // (2 * cp), shape["conv_kernel"] - 1)
     halo = 2 * batch * conv_dim(shape) * tail
-    summaries = 2 * batch * shape["v_heads"] * shape["k_dim"] * (shape["k_dim"] + shape["v_dim"])
-    forward = [("halo", halo, COMPUTE), ("state summaries", summaries, SUMMARY)]
-    return {"forward": forward, "backward": [(what, cp * n, dtype) for what, n, dtype in forward]}
+    forward = [("halo", halo, COMPUTE, "all_gather"), ("state summaries", summary_elements(batch, shape), SUMMARY, "all_gather")]
+    return {"forward": forward, "backward": [(what, cp * n, dtype, "all_to_all") for what, n, dtype, _ in forward]}
 
 
-def allgather_collectives(seq: int, cp: int, batch: int, shape: dict[str, int]) -> dict[str, list[tuple[str, int, str]]]:
-    """forward: B·(S/cp)·hidden [compute dtype]; backward: cp × that = B·S·hidden."""
+def summary_elements(batch: int, shape: dict[str, int]) -> int:
+    """A rank's two chunk summaries [M | U]: 2·B·Hv·Dk·(Dk+Dv)."""
+    return 2 * batch * shape["v_heads"] * shape["k_dim"] * (shape["k_dim"] + shape["v_dim"])
+
+
+def allgather_collectives(seq: int, cp: int, batch: int, shape: dict[str, int]) -> dict[str, list[tuple[str, int, str, str]]]:
+    """forward: all_gather of B·(S/cp)·hidden [compute dtype]; backward: all_to_all of cp × that = B·S·hidden."""
     local = batch * (seq // cp) * shape["hidden"]
-    return {"forward": [("hidden states", local, COMPUTE)], "backward": [("hidden states", cp * local, COMPUTE)]}
+    return {"forward": [("hidden states", local, COMPUTE, "all_gather")],
+            "backward": [("hidden states", cp * local, COMPUTE, "all_to_all")]}
 
 
-def total_bytes(collectives: list[tuple[str, int, str]]) -> int:
-    return sum(n * DTYPE_BYTES[dtype] for _, n, dtype in collectives)
+def total_bytes(collectives: list[tuple[str, int, str, str]], cp: int) -> int:
+    """Bytes one rank sends for these collectives."""
+    return round(sum(n * DTYPE_BYTES[dtype] * sent_fraction(kind, cp) for _, n, dtype, kind in collectives))
+
+
+def exchange_formulas(exchange: str, cp: int, batch: int, shape: dict[str, int]) -> dict[str, int]:
+    """Max over ranks of the state exchange's bytes sent (fwd, bwd) and bytes kept for backward.
+
+    allgather: fwd = bwd = (cp−1)·4·2·B·Hv·Dk·(Dk+Dv); kept: M_c (Dk²) and S_c (Dk·Dv) of the
+    chunks 1 … b−1 before the rank's last chunk b = 2cp−1−r (rank 0: 2cp−2 of each).
+    scan: the messages of `state_exchange.scan_rounds` that cross ranks (a span from chunk 0
+    travels as U alone); backward sends each received message's gradient back; kept: M and
+    the received message per composition (rounds ≥ 1).
+    """
+    from qwen35_accel.parallel.context_parallel.layout import chunk_owner
+    from qwen35_accel.parallel.context_parallel.state_exchange import scan_rounds
+
+    f = DTYPE_BYTES[SUMMARY]
+    heads, k, v = batch * shape["v_heads"], shape["k_dim"], shape["v_dim"]
+    if exchange == "allgather":
+        sent = (cp - 1) * f * summary_elements(batch, shape)
+        return {"forward": sent, "backward": sent, "kept": f * (2 * cp - 2) * heads * (k * k + k * v) if cp > 1 else 0}
+    fwd, bwd, kept = [0] * cp, [0] * cp, [0] * cp
+    for round_index, messages in enumerate(scan_rounds(cp)):
+        for src, dst, u_only in messages:
+            size = f * heads * k * (v if u_only else k + v)
+            src_rank, dst_rank = chunk_owner(src, cp)[0], chunk_owner(dst, cp)[0]
+            if src_rank != dst_rank:
+                fwd[src_rank] += size
+                bwd[dst_rank] += size
+            if round_index:
+                kept[dst_rank] += f * heads * k * k + size
+    return {"forward": max(fwd), "backward": max(bwd), "kept": max(kept)}
 
 
 # ---------------------------------------------------------------- measurement (workers)
@@ -141,6 +189,7 @@ def _measure_worker(rank: int, world: int, seqs: list[int], batch: int, dtype_na
     install_fp32_gate(ours_model)
     install_context_parallel(ours_model, cp_mesh)  # no FSDP: only CP traffic is on the wire
     ours = ours_model.model.layers[0].linear_attn
+    ours.state_exchange = "allgather"  # the exchanges are compared on their own below
     # Same weights, the unmodified Transformers layer.
     baseline = AllGatherHiddenGatedDeltaNet(build_tiny_causal_lm(seed=0, dtype=dtype, **config).model.layers[0].linear_attn, cp_mesh.get_group())
 
@@ -169,6 +218,110 @@ def _measure_worker(rank: int, world: int, seqs: list[int], batch: int, dtype_na
         Path(out_path).write_text(json.dumps(gathered))
 
 
+def _exchange_worker(rank: int, world: int, shapes: dict[str, dict[str, int]], batch: int, reps: int, out_path: str) -> None:
+    """The state exchange alone, per exchange and summary shape: collectives (profiler), bytes
+    kept for backward (saved-tensor storages), and the median time of forward + backward."""
+    import time
+
+    import torch.distributed as dist
+
+    from qwen35_accel.parallel.context_parallel.state_exchange import incoming_states
+    from qwen35_accel.testing.saved_tensors import saved_storage_bytes
+
+    group = dist.group.WORLD
+    results = {}
+    for name, s in shapes.items():
+        k, v = s["k_dim"], s["v_dim"]
+        gen = torch.Generator().manual_seed(rank)
+        # Contracting transitions, as a decaying recurrence's are (values do not matter here).
+        local = torch.cat([0.1 * torch.randn(2, batch, s["v_heads"], k, k, generator=gen) / k**0.5,
+                           torch.randn(2, batch, s["v_heads"], k, v, generator=gen)], dim=-1)
+        weights = torch.randn(2, batch, s["v_heads"], k, v, generator=gen)
+        entry = {}
+        for exchange in ("allgather", "scan"):
+            x = local.clone().requires_grad_()
+            out = {}
+            forward = _profile_collectives(lambda: out.update(zip(("y", "kept"), saved_storage_bytes(
+                lambda: torch.stack(incoming_states(x, group, k, exchange=exchange))))))
+            backward = _profile_collectives(lambda: (out["y"] * weights).sum().backward())
+            entry[exchange] = {"forward": forward, "backward": backward, "kept": out["kept"], "states": out["y"].detach()}
+        rel = (entry["scan"]["states"] - entry["allgather"]["states"]).abs().max() / entry["allgather"]["states"].abs().max()
+        times = {"allgather": [], "scan": []}
+        for _ in range(reps):  # alternating, side by side
+            for exchange in times:
+                x = local.clone().requires_grad_()
+                dist.barrier(group)
+                start = time.perf_counter()
+                (torch.stack(incoming_states(x, group, k, exchange=exchange)) * weights).sum().backward()
+                times[exchange].append(time.perf_counter() - start)
+        for exchange in times:
+            entry[exchange].pop("states")
+            entry[exchange]["seconds"] = sorted(times[exchange])[len(times[exchange]) // 2]
+        entry["rel_diff"] = float(rel)
+        results[name] = entry
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(gathered))
+
+
+def _exchange_section(cps: list[int], shapes: dict[str, dict[str, int]], batch: int, reps: int,
+                      failures: list[str]) -> list[str]:
+    from qwen35_accel.testing.local_world import run_local_world
+
+    lines = [f"## The state exchange alone: measured (profiler, gloo, batch {batch}, fp32 summaries)\n",
+             "Per rank per GatedDeltaNet layer, max over ranks: bytes sent (module convention), bytes of the "
+             "storages its saved tensors keep until backward, median wall time of forward + backward of the "
+             f"exchange alone ({reps} alternating repetitions, every rank waiting at a barrier before each; 1 thread "
+             "per rank, cp processes sharing the machine's cores). `formula` checks bytes sent (and kept) "
+             "against `exchange_formulas`.\n",
+             "| shape | cp | exchange | fwd sent | bwd sent | kept for backward | median fwd + bwd (ms) | scan / all-gather time | formula match | max rel diff scan vs all-gather |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for cp in cps:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "exchange.json")
+            run_local_world(_exchange_worker, cp, shapes, batch, reps, path, threads_per_rank=1)
+            per_rank = json.loads(Path(path).read_text())
+        for name, shape in shapes.items():
+            for exchange in ("allgather", "scan"):
+                formula = exchange_formulas(exchange, cp, batch, shape)
+                cells, ok = {}, True
+                for direction in ("forward", "backward"):
+                    sent = [round(sum(n * DTYPE_BYTES[d] * sent_fraction(c, cp) for c, n, d in r[name][exchange][direction]))
+                            for r in per_rank]
+                    cells[direction] = max(sent)
+                    ok &= cells[direction] == formula[direction]
+                kept = max(r[name][exchange]["kept"] for r in per_rank)
+                ok &= kept == formula["kept"] if exchange == "allgather" else kept <= formula["kept"]
+                if not ok:
+                    failures.append(f"exchange {exchange} cp {cp} {name}: measured {cells}, kept {kept}, formula {formula}")
+                seconds = max(r[name][exchange]["seconds"] for r in per_rank)
+                ratio = seconds / max(r[name]["allgather"]["seconds"] for r in per_rank)
+                rel = max(r[name]["rel_diff"] for r in per_rank)
+                lines.append(
+                    f"| {name} | {cp} | {exchange} | {_fmt_bytes(cells['forward'])} | {_fmt_bytes(cells['backward'])} | "
+                    f"{_fmt_bytes(kept)} | {seconds * 1e3:.1f} | {ratio:.2f} | {'yes' if ok else 'NO'} | {rel:.1e} |"
+                )
+    return lines
+
+
+def _exchange_computed(shape_name: str, shape: dict[str, int], batch: int) -> list[str]:
+    lines = [f"\n## The state exchange, computed from the formulas: {shape_name}, batch {batch}\n",
+             "Per rank per GatedDeltaNet layer (max over ranks). `auto` (`state_exchange.scan_from_cp`): on gloo "
+             "the scan from cp 2 (measured above: faster at every cp measured); on NCCL the all-gather below cp 8 "
+             "(one collective; not measured here) and the scan from cp 8 (fewer bytes).\n",
+             "| cp | all-gather fwd = bwd sent | all-gather kept | scan fwd sent | scan bwd sent | scan kept | auto, gloo | auto, NCCL |",
+             "|---|---|---|---|---|---|---|---|"]
+    from qwen35_accel.parallel.context_parallel.state_exchange import resolve_exchange
+
+    for cp in (2, 4, 8, 16, 32):
+        a, s = exchange_formulas("allgather", cp, batch, shape), exchange_formulas("scan", cp, batch, shape)
+        lines.append(f"| {cp} | {_fmt_bytes(a['forward'])} | {_fmt_bytes(a['kept'])} | {_fmt_bytes(s['forward'])} | "
+                     f"{_fmt_bytes(s['backward'])} | {_fmt_bytes(s['kept'])} | {resolve_exchange('auto', cp, 'gloo')} | "
+                     f"{resolve_exchange('auto', cp, 'nccl')} |")
+    return lines
+
+
 # ---------------------------------------------------------------- report (parent)
 
 
@@ -179,20 +332,18 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _check(measured: list[list], formula: list[tuple[str, int, str]], measure_dtype: str) -> tuple[bool, int]:
-    """Elements per collective must match (as a multiset); returns (ok, bytes at the assumed dtypes).
+def _check(measured: list[list], formula: list[tuple[str, int, str, str]], measure_dtype: str, cp: int) -> tuple[bool, int]:
+    """Collectives and elements must match (as a multiset); returns (ok, bytes sent at the assumed dtypes).
 
     Measured in the compute dtype (bf16), each collective's measured dtype must also be
     the formula's, so measured bytes are exactly the formula's bytes.
     """
-    got = sorted(n for _, n, _ in measured)
-    want = sorted(n for _, n, _ in formula)
-    ok = got == want
+    ok = sorted((c, n) for c, n, _ in measured) == sorted((f"gloo:{c}", n) for _, n, _, c in formula)
     if ok and measure_dtype == COMPUTE:
-        ok = sorted((n, d) for _, n, d in measured) == sorted((n, d) for _, n, d in formula)
+        ok = sorted((n, d) for _, n, d in measured) == sorted((n, d) for _, n, d, _ in formula)
     # Bytes: measured elements priced at the dtype of the formula's collective of that size.
-    price = {n: DTYPE_BYTES[d] for _, n, d in formula}
-    return ok, sum(n * price.get(n, 0) for _, n, _ in measured)
+    price = {n: DTYPE_BYTES[d] for _, n, d, _ in formula}
+    return ok, round(sum(n * price.get(n, 0) * sent_fraction(c, cp) for c, n, _ in measured))
 
 
 def main() -> None:
@@ -203,10 +354,15 @@ def main() -> None:
     parser.add_argument("--measure-dtype", choices=["bf16", "fp32"], default="bf16",
                         help="dtype of the measured layer (fp32: elements checked, bytes priced at the assumed dtypes)")
     parser.add_argument("--max-seq", type=int, default=128 * 1024)
+    parser.add_argument("--exchange-cp", type=int, nargs="+", default=[2, 4, 8], help="cp sizes of the state exchange worlds")
+    parser.add_argument("--exchange-reps", type=int, default=15, help="timed repetitions of each exchange")
     _report.add_arguments(parser)
     args = parser.parse_args()
+    exchange_shapes = {name: SHAPES[name] for name in ("4B-like", "27B-like")}
     if args.smoke:
         args.measure_seqs = [32, 64]
+        args.exchange_cp, args.exchange_reps = [2, 4], 2
+        exchange_shapes = {"small (smoke)": SMOKE_SHAPE}
     measured_name, shape = ("small (smoke)", SMOKE_SHAPE) if args.smoke else ("4B-like", SHAPES["4B-like"])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -236,7 +392,7 @@ def main() -> None:
                 worst = 0
                 for rank, results in enumerate(per_rank):
                     measured = results[str(seq)][approach][direction]
-                    ok, nbytes = _check(measured, formulas[approach][direction], args.measure_dtype)
+                    ok, nbytes = _check(measured, formulas[approach][direction], args.measure_dtype, args.cp)
                     if not ok:
                         all_ok = False
                         failures.append(f"seq {seq} rank {rank} {approach} {direction}: measured {measured}, formula {formulas[approach][direction]}")
@@ -256,15 +412,15 @@ def main() -> None:
         for direction in ("forward", "backward"):
             lines.append(f"- {approach} {direction}: {[tuple(c) for c in example[approach][direction]]}")
 
-    lines.append("\n## Formulas (bytes one rank contributes per GatedDeltaNet layer)\n")
+    lines.append("\n## Formulas (bytes one rank sends per GatedDeltaNet layer)\n")
     lines.append(
         "S sequence, cp context-parallel size, B batch, Hk/Hv linear key/value heads, Dk/Dv key/value head dims, "
         "K conv kernel, conv_dim = 2·Hk·Dk + Hv·Dv; c = compute dtype bytes (bf16: 2); f = 4 (fp32 summaries).\n"
     )
-    lines.append("- ours fwd = c·2·B·conv_dim·min(S/(2cp), K−1) + f·2·B·Hv·Dk·(Dk+Dv)  (constant in S)")
-    lines.append("- ours bwd = cp × ours fwd")
-    lines.append("- all-gather fwd = c·B·(S/cp)·hidden")
-    lines.append("- all-gather bwd = cp × all-gather fwd = c·B·S·hidden")
+    lines.append("- ours fwd = (cp−1)·[c·2·B·conv_dim·min(S/(2cp), K−1) + f·2·B·Hv·Dk·(Dk+Dv)]  (constant in S; all-gather exchange)")
+    lines.append("- ours bwd = ours fwd (reduce-scatter: an all-to-all on gloo)")
+    lines.append("- all-gather fwd = (cp−1)·c·B·(S/cp)·hidden")
+    lines.append("- all-gather bwd = all-gather fwd")
     lines.append("- ratio = (all-gather fwd + bwd) / (ours fwd + bwd)")
 
     seqs = []
@@ -282,8 +438,8 @@ def main() -> None:
         for seq in seqs:
             o = ours_collectives(seq, args.cp, args.batch, shape)
             a = allgather_collectives(seq, args.cp, args.batch, shape)
-            of, ob = total_bytes(o["forward"]), total_bytes(o["backward"])
-            af, ab = total_bytes(a["forward"]), total_bytes(a["backward"])
+            of, ob = total_bytes(o["forward"], args.cp), total_bytes(o["backward"], args.cp)
+            af, ab = total_bytes(a["forward"], args.cp), total_bytes(a["backward"], args.cp)
             computed[name]["ours"].append(of + ob)
             computed[name]["allgather"].append(af + ab)
             lines.append(
@@ -292,8 +448,12 @@ def main() -> None:
             )
         # Break-even: all-gather total = ours total.
         ours_total = computed[name]["ours"][-1]
-        per_token = (1 + args.cp) * DTYPE_BYTES[COMPUTE] * args.batch * shape["hidden"] / args.cp
+        per_token = 2 * (args.cp - 1) * DTYPE_BYTES[COMPUTE] * args.batch * shape["hidden"] / args.cp
         lines.append(f"\nBreak-even at S ≈ {ours_total / per_token:.0f} tokens: below it the all-gather approach moves fewer bytes.")
+
+    lines.append("")
+    lines += _exchange_section(args.exchange_cp, exchange_shapes, args.batch, args.exchange_reps, failures)
+    lines += _exchange_computed("27B-like", SHAPES["27B-like"], args.batch)
 
     table = "\n".join(lines)
     print(table)

@@ -131,6 +131,13 @@ def test_cp_comm_smoke():
     computed = _table_rows(stdout, "| seq | ours fwd | ours bwd | ours fwd + bwd |")
     assert computed[0][0] == "1024" and computed[-1][0] == "131072", stdout
     assert all(math.isfinite(float(r[-1])) for r in computed), stdout
+    # The state exchanges at cp 2 and 4: bytes sent and kept as their formulas, the same states.
+    exchanges = _table_rows(stdout, "| shape | cp | exchange |")
+    assert [(r[1], r[2]) for r in exchanges] == [("2", "allgather"), ("2", "scan"), ("4", "allgather"), ("4", "scan")], stdout
+    assert all(r[8] == "yes" and float(r[9]) < 1e-5 for r in exchanges), stdout
+    auto = {r[0]: (r[-2], r[-1]) for r in _table_rows(stdout, "| cp | all-gather fwd = bwd sent |")}
+    assert auto == {"2": ("scan", "allgather"), "4": ("scan", "allgather"), "8": ("scan", "scan"),
+                    "16": ("scan", "scan"), "32": ("scan", "scan")}, stdout
 
 
 def test_cp_memory_smoke():
@@ -182,3 +189,12 @@ def test_launch_reliability_smoke_counts_launches_that_exit_0():
     stdout = _smoke("launch_reliability.py", "--configs", "cpu_fsdp2.yaml")
     rows = _table_rows(stdout, "| config |")
     assert rows == [["cpu_fsdp2.yaml", "1", "1", rows[0][3]]], stdout
+
+
+def test_gpu_step_smoke_runs_the_three_configurations_on_the_same_model():
+    stdout = _smoke("gpu_step.py")
+    rows = _table_rows(stdout, "| model | seq | config |")
+    assert [r[2] for r in rows] == ["transformers", "ours cp 1", "ours cp 2"], stdout
+    assert all(float(r[4]) > 0 and math.isfinite(float(r[4])) for r in rows), stdout
+    losses = [float(r[-1]) for r in rows]  # fp32 on CPU: the same first-step loss (reduction order only)
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), stdout

@@ -86,8 +86,8 @@ class ScriptArguments:
     max_seq_length: int = field(default=64, metadata={"help": "Truncate prompt + completion + eos to this."})
     pad_to_multiple_of: int = field(
         default=8,
-        metadata={"help": "Pad every batch's length to a multiple of this (context parallelism needs the "
-                  "length divisible by 2 * cp_size); 0 disables."},
+        metadata={"help": "Pad every batch's length to a multiple of this; 0 disables (under qwen35_accel's "
+                  "context parallelism the Trainer pads each batch to a multiple of 2 * cp_size itself)."},
     )
     attn_implementation: str = field(default="sdpa", metadata={"help": "Attention kernel for the model."})
     dtype: Literal["float32", "bfloat16"] = field(

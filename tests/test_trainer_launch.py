@@ -96,15 +96,18 @@ def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_loadable_che
 
 
 @pytest.mark.parametrize(
-    "config,per_device,shows",
-    [("cpu_fsdp2_cp2.yaml", "4", "cp=2"), ("cpu_fsdp2_dp2_cp2.yaml", "2", "cp=2"), ("cpu_fsdp2_tp2.yaml", "2", "tp=2")],
+    "config,per_device,shows,extra",
+    # cp2 without the collator's pad_to_multiple_of: the Trainer patch point pads the
+    # collator's BatchEncoding to 2*cp.
+    [("cpu_fsdp2_cp2.yaml", "4", "cp=2", ["--pad_to_multiple_of", "0"]), ("cpu_fsdp2_dp2_cp2.yaml", "2", "cp=2", []),
+     ("cpu_fsdp2_tp2.yaml", "2", "tp=2", [])],
     ids=["cp2", "dp2xcp2", "dp2xtp2"],
 )
-def test_context_and_tensor_parallel_launches_match_one_process(reference_sgd, tmp_path, config, per_device, shows):
+def test_context_and_tensor_parallel_launches_match_one_process(reference_sgd, tmp_path, config, per_device, shows, extra):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    result = launch(config, out, "--per_device_train_batch_size", per_device, *SGD)
+    result = launch(config, out, "--per_device_train_batch_size", per_device, *extra, *SGD)
     assert PREPARED in result.stderr and shows in result.stderr
     # rtol 1e-4: under CP every gradient is a sum of per-chunk partials reduced over cp (and dp),
     # and 4 SGD steps at lr 0.3 carry those reduction-order differences into the later losses.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
     @functools.wraps(original)
     def wrapper(self: Any, model: Any, inputs: dict[str, Any]) -> Any:
         cp_mesh = getattr(getattr(self, "accelerator", None), "_qwen35_cp_mesh", None)
-        if cp_mesh is not None and isinstance(inputs, dict) and (
+        if cp_mesh is not None and isinstance(inputs, Mapping) and (  # collators may return a BatchEncoding
             inputs.get("input_ids") is not None or inputs.get("inputs_embeds") is not None
         ):
             from ..context_parallel import pad_batch_for_context_parallel

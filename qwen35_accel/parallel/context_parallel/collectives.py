@@ -12,8 +12,8 @@ def reduce_scatter_stack(stack: torch.Tensor, group: dist.ProcessGroup) -> torch
     Each rank sends the other ranks' slots once, (world − 1)/world of the stack: the bytes
     of the all-gather it reverses. On gloo this is an all-to-all and a local sum in rank
     order: torch 2.13's gloo `reduce_scatter_single` computes the right values but runs an
-    all-reduce of the whole stack (the profiler shows `gloo:all_reduce` of [world · n]; 4
-    ranks × 16 MB: as slow as `all_reduce`, 3.5× the all-to-all), twice the bytes.
+    all-reduce of the whole stack (the profiler shows `gloo:all_reduce` of [world · n]),
+    twice the bytes.
     """
     stack = stack.contiguous()
     if dist.get_backend(group) == "gloo":

@@ -135,7 +135,7 @@ class _ScanStates(torch.autograd.Function):
                 if src in mine:
                     value = element[src] if k == 0 else X[src]
                     payload[src] = value[..., k_dim:] if u_only and k == 0 else value
-            received = _exchange_round(messages, mine, payload, cp, group, tag=k, k_dim=k_dim, v_dim=v_dim, local=local)
+            received = _exchange_round(messages, mine, payload, cp, group, tag=k, k_dim=k_dim, v_dim=v_dim, like=local)
             for dst, R in received.items():
                 if k == 0:
                     X[dst] = R
@@ -177,7 +177,7 @@ class _ScanStates(torch.autograd.Function):
                 payload[dst] = M.transpose(-1, -2) @ d_new
                 dX[dst] = torch.cat([d_new @ R.transpose(-1, -2), d_new[..., -v_dim:]], dim=-1)
             back = [(dst, src, u_only) for src, dst, u_only in messages]
-            received = _exchange_round(back, mine, payload, cp, group, tag=k, k_dim=k_dim, v_dim=v_dim, local=grad)
+            received = _exchange_round(back, mine, payload, cp, group, tag=k, k_dim=k_dim, v_dim=v_dim, like=grad)
             for src, d in received.items():
                 if k == 0:
                     d_local[mine.index(src), ..., k_dim + v_dim - d.shape[-1] :] += d
@@ -196,13 +196,14 @@ def _exchange_round(
     tag: int,
     k_dim: int,
     v_dim: int,
-    local: torch.Tensor,
+    like: torch.Tensor,
 ) -> dict[int, torch.Tensor]:
     """One round: `payload[src]` goes from chunk src to chunk dst for each (src, dst, U only?)
     with src on this rank; returns {dst: tensor} for each dst on this rank (a message between
-    two chunks of this rank is handed over without communication)."""
+    two chunks of this rank is handed over without communication). Receive buffers take
+    `like`'s dtype, device and [2, batch, v_heads, k_dim, …] shape."""
     sends, recvs, received = [], [], {}
-    shape = local.shape[1:-1]
+    shape = like.shape[1:-1]
     for src, dst, u_only in messages:
         src_rank, dst_rank = chunk_owner(src, cp)[0], chunk_owner(dst, cp)[0]
         if src in mine and dst in mine:
@@ -210,7 +211,7 @@ def _exchange_round(
         elif src in mine:
             sends.append((dst_rank, payload[src].contiguous()))
         elif dst in mine:
-            received[dst] = local.new_empty(*shape, v_dim if u_only else k_dim + v_dim)
+            received[dst] = like.new_empty(*shape, v_dim if u_only else k_dim + v_dim)
             recvs.append((src_rank, received[dst]))
     _p2p(sends, recvs, group, tag)
     return received

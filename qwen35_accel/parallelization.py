@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from .model.detect import Qwen35Parts, qwen35_parts, unwrap_qwen35
 from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
 from .parallel.activation_checkpointing import apply_activation_checkpointing
+from .parallel.context_parallel.state_exchange import EXCHANGES
 from .parallel.context_parallel.model import (
     check_context_parallel_supported,
     install_context_parallel,
@@ -77,6 +78,7 @@ class Qwen3_5ModelParallelizer:
         tp_mesh_name: str = "tp",
         fp32_holder_units: Fp32HolderUnits = "per_layer",
         vocab_parallel_lm_head: bool = False,
+        cp_state_exchange: str = "auto",
     ) -> nn.Module:
         """Parallelize `model` over `device_mesh` and return it (the same object).
 
@@ -90,6 +92,8 @@ class Qwen3_5ModelParallelizer:
         `vocab_parallel_lm_head=True` (tp > 1): the lm_head is split by vocab too and the
         loss combines the slices (`apply_vocab_parallel_lm_head`): `logits` then hold this
         rank's vocab slice. Needs untied embeddings and tp dividing the vocab size.
+        `cp_state_exchange` (cp > 1): "allgather", "scan" or "auto", how the GatedDeltaNet
+        layers pass chunk summaries across the cp ranks (`install_context_parallel`).
 
         Preconditions: `torch.distributed` is initialised; `model` is a dense Qwen3.5
         model (TypeError otherwise), possibly inside a PEFT LoRA wrapper, not yet sharded; `device_mesh` has a dim (own or
@@ -105,6 +109,7 @@ class Qwen3_5ModelParallelizer:
             raise ValueError(f"{type(model).__name__} is already sharded by FSDP2; apply the parallelizer once, to the unsharded model.")
         _check_choice("frozen_multimodal_sharding", frozen_multimodal_sharding, FROZEN_MULTIMODAL_SHARDING_CHOICES)
         _check_choice("fp32_holder_units", fp32_holder_units, FP32_HOLDER_UNITS_CHOICES)
+        _check_choice("cp_state_exchange", cp_state_exchange, EXCHANGES)
         dims = ParallelDims(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, cp_mesh_name, tp_mesh_name)
         tp_size, cp_size = dims.tp_size, dims.cp_size
         if tp_size > 1:
@@ -136,7 +141,7 @@ class Qwen3_5ModelParallelizer:
             parts=parts,
         )
         if dims.cp is not None:
-            install_context_parallel(base, dims.cp)
+            install_context_parallel(base, dims.cp, state_exchange=cp_state_exchange)
         logger.info(
             "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s, "
             "cp: %d, tp: %d)",

@@ -26,6 +26,9 @@ def test_settings_defaults_env_and_errors():
     assert not s.enabled and s.fsdp2_backward_prefetch_depth == 3
     with pytest.raises(ValueError, match=r"QWEN35_ACCEL_FROZEN_MULTIMODAL_SHARDING='all': expected one of \['root', 'replicate', 'shard'\]"):
         PluginSettings.from_env({"QWEN35_ACCEL_FROZEN_MULTIMODAL_SHARDING": "all"})
+    assert PluginSettings.from_env({"QWEN35_ACCEL_CP_STATE_EXCHANGE": "Scan"}).cp_state_exchange == "scan"
+    with pytest.raises(ValueError, match=r"QWEN35_ACCEL_CP_STATE_EXCHANGE='ring': expected one of \['auto', 'allgather', 'scan'\]"):
+        PluginSettings.from_env({"QWEN35_ACCEL_CP_STATE_EXCHANGE": "ring"})
     with pytest.raises(ValueError, match=r"QWEN35_ACCEL_CPU_FSDP='maybe': expected one of \[.*'0'.*'true'"):
         PluginSettings.from_env({"QWEN35_ACCEL_CPU_FSDP": "maybe"})
     with pytest.raises(ValueError, match=r"unknown setting\(s\) \['QWEN35_ACCEL_CPUFSDP'\]; qwen35_accel reads \[.*'QWEN35_ACCEL_CPU_FSDP'"):

@@ -137,7 +137,10 @@ def _cp_bad_input_worker(rank: int, world: int) -> None:
     from qwen35_accel.parallel.context_parallel.layout import shard_sequence
 
     mesh = cp_mesh(world, world)
-    model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh)
+    with pytest.raises(ValueError, match=r"cp_state_exchange='ring'; expected one of \('auto', 'allgather', 'scan'\)"):
+        PARALLELIZER.apply(build_tiny_causal_lm(seed=0), cp_mesh(world, world), cp_state_exchange="ring")
+    model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh, cp_state_exchange="allgather")
+    assert {m.state_exchange for m in model.modules() if hasattr(m, "state_exchange")} == {"allgather"}
     batch = random_batch(2, 16, model.config.vocab_size, seed=0)
     positions = torch.arange(16).expand(2, 16)
 

@@ -143,6 +143,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
         frozen_multimodal_sharding=settings.frozen_multimodal_sharding,  # type: ignore[arg-type]
         fp32_holder_units=settings.fp32_holder_units,  # type: ignore[arg-type]
         vocab_parallel_lm_head=settings.vocab_parallel_lm_head,
+        cp_state_exchange=settings.cp_state_exchange,
     )
 
     if ram_efficient:

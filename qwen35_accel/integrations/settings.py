@@ -43,6 +43,11 @@ class PluginSettings:
         "under tp > 1, split the lm_head by vocab too; the loss combines the slices (model outputs then hold this "
         "rank's vocab slice of the logits; needs untied embeddings)",
     )
+    cp_state_exchange: str = _knob(
+        "auto",
+        "under cp > 1, how GatedDeltaNet chunk summaries cross the ranks: allgather (one all-gather, O(cp) bytes), "
+        "scan (log-depth, O(log cp) bytes and kept summaries) or auto (by cp size and backend)",
+    )
     fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of the units in layer order, embedding to tail")
     fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
     fsdp2_backward_prefetch_depth: int = _knob(2, "layers prefetched ahead in backward")
@@ -76,7 +81,11 @@ class PluginSettings:
         return cls(**values)
 
 
-_CHOICES = {"frozen_multimodal_sharding": ("root", "replicate", "shard"), "fp32_holder_units": ("per_layer", "model")}
+_CHOICES = {
+    "frozen_multimodal_sharding": ("root", "replicate", "shard"),
+    "fp32_holder_units": ("per_layer", "model"),
+    "cp_state_exchange": ("auto", "allgather", "scan"),
+}
 
 
 def _parse(env_name: str, field: dataclasses.Field, raw: str) -> object:

@@ -26,6 +26,7 @@ from .attention import SUPPORTED_ATTENTION, ContextParallelAttention
 from .documents import DOCUMENTS_KWARG, ShardedDocuments, shard_documents
 from .gated_delta_net import ContextParallelGatedDeltaNet
 from .layout import chunk_owner, unshard_sequence
+from .state_exchange import EXCHANGES
 
 CP_MESH_ATTR = "_qwen35_cp_mesh"
 
@@ -158,17 +159,21 @@ def check_context_parallel_supported(model: nn.Module) -> None:
         )
 
 
-def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
+def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, state_exchange: str = "auto") -> int:
     """Put a dense Qwen3.5 model's text decoder under context parallelism over `cp_mesh`.
 
     Preconditions: fp32 gate holders installed (`install_fp32_gate`); attention
     implementation in `SUPPORTED_ATTENTION`. Works before or after FSDP2 sharding.
+    `state_exchange` ("auto", "allgather", "scan"): how the GatedDeltaNet layers pass their
+    chunk summaries across ranks (`state_exchange.py`; "auto" picks by cp size and backend).
     Returns the number of token-mixing layers made CP-aware. Sets `model.loss_function`
     (an instance attribute; the class is untouched) and a forward pre-hook that rejects
     inputs CP cannot handle exactly.
     """
     parts = qwen35_parts(model)
     check_context_parallel_supported(model)
+    if state_exchange not in EXCHANGES:
+        raise ValueError(f"state_exchange={state_exchange!r}: expected one of {list(EXCHANGES)}")
     group = cp_mesh.get_group()
     converted = 0
     for layer in parts.decoder_layers:
@@ -177,6 +182,7 @@ def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
                 if not isinstance(module, Fp32GateGatedDeltaNet):
                     raise ValueError("install_fp32_gate must run before install_context_parallel")
                 module.__class__ = ContextParallelGatedDeltaNet
+                module.state_exchange = state_exchange
             elif isinstance(module, hf.Qwen3_5Attention):
                 module.__class__ = ContextParallelAttention
             else:

@@ -106,6 +106,14 @@ def trl_prepare_fsdp(original: Callable[..., Any]) -> Callable[..., Any]:
         if is_dense_qwen35_module(model) and plugin is not None and plugin.fsdp_version == 2 and not getattr(
             model, "_qwen35_accel_prepared", False
         ):
+            parallelism = getattr(accelerator, "parallelism_config", None)
+            if parallelism is not None and parallelism.cp_enabled:
+                raise NotImplementedError(
+                    f"TRL's DPOTrainer under context parallelism (cp_size={parallelism.cp_size}) is not supported for "
+                    "Qwen3.5 by qwen35_accel: TRL computes each sequence's log-probability from the logits it "
+                    "receives, which under CP are this rank's sequence chunks. Run DPO with cp_size 1 (FSDP2 and "
+                    "tensor parallelism work)."
+                )
             model = prepare_extra_model(accelerator, model, register=False)
             model.eval()
             return model

@@ -60,11 +60,13 @@ def data_parallel_2(tmp_path_factory) -> Path:
     [
         ("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2", ()),
         ("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2", ("--no_train",)),  # prepared for evaluation alone
+        # preprocess_logits_for_metrics (argmax) on each rank's chunks, its output gathered
+        ("cpu_fsdp2_cp2.yaml", "4", {"QWEN35_ACCEL_CP_METRICS_PER_CHUNK": "1"}, "cp=2", ()),
         ("cpu_fsdp2_dp2_cp2.yaml", "2", {}, "cp=2", ()),
         ("cpu_fsdp2_tp2.yaml", "2", {}, "tp=2", ()),
         ("cpu_fsdp2_tp2.yaml", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}, "tp=2", ()),
     ],
-    ids=["cp2", "cp2-eval-only", "dp2xcp2", "dp2xtp2", "dp2xtp2-vocab-parallel"],
+    ids=["cp2", "cp2-eval-only", "cp2-metrics-per-chunk", "dp2xcp2", "dp2xtp2", "dp2xtp2-vocab-parallel"],
 )
 def test_evaluate_and_predict_under_cp_and_tp_equal_one_process(single, data_parallel_2, tmp_path, config, per_device, env,
                                                                  shows, flags):

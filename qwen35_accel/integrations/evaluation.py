@@ -177,8 +177,75 @@ def prediction_step(original: Callable[..., Any]) -> Callable[..., Any]:
             dist.all_reduce(loss, group=cp_mesh.get_group())
             loss = loss / cp_mesh.size()
         if logits is not None:
-            logits = _assemble_logits(qwen, logits, cp_mesh, local_seq, seq)
+            applied = self.preprocess_logits_for_metrics
+            if cp_mesh is not None and isinstance(applied, PerChunkPreprocess):
+                logits = _preprocess_per_chunk(applied.original, logits, labels, cp_mesh, local_seq, seq)
+            else:
+                logits = _assemble_logits(qwen, logits, cp_mesh, local_seq, seq)
         return loss, logits, labels
+
+    return wrapper
+
+
+class PerChunkPreprocess:
+    """Stands in for the Trainer's `preprocess_logits_for_metrics` during an evaluation loop
+    with `QWEN35_ACCEL_CP_METRICS_PER_CHUNK=1`: `prediction_step` has already run
+    `original` on each rank's chunks and assembled its output, so the loop's own call
+    passes the result through."""
+
+    def __init__(self, original: Callable[..., Any]) -> None:
+        self.original = original
+
+    def __call__(self, logits: Any, labels: Any) -> Any:
+        return logits
+
+
+def _preprocess_per_chunk(fn: Callable[..., Any], logits: Any, labels: Any, cp_mesh: Any, local_seq: int | None, seq: int | None) -> Any:
+    """`fn` on this rank's chunks (logits [batch, local_seq, vocab], labels sharded alike),
+    its per-position output [batch, local_seq, ...] assembled over cp and cut to `seq`.
+    Exact for position-wise functions (argmax, top-k, per-token log-probs); others raise
+    where their output has no per-position shape."""
+    from ..context_parallel import gather_sequence
+    from ..parallel.context_parallel.layout import pad_for_context_parallel, shard_sequence
+
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
+        labels = shard_sequence(pad_for_context_parallel(labels, cp, 1, -100), cp, rank, 1)
+    out = fn(logits, labels)
+    if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[1] != local_seq:
+        raise ValueError(
+            "QWEN35_ACCEL_CP_METRICS_PER_CHUNK=1 needs a preprocess_logits_for_metrics that returns one value per "
+            f"position ([batch, seq, ...]); on this rank's chunks ({local_seq} tokens) it returned "
+            f"{type(out).__name__} {tuple(out.shape) if isinstance(out, torch.Tensor) else ''}. Unset the variable."
+        )
+    return gather_sequence(out.contiguous(), cp_mesh)[:, :seq]
+
+
+def evaluation_loop(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`Trainer.evaluation_loop` with `QWEN35_ACCEL_CP_METRICS_PER_CHUNK=1` on a prepared
+    Qwen3.5 model under cp > 1: `preprocess_logits_for_metrics` runs on each rank's chunks
+    (in `prediction_step`) instead of on the assembled whole-sequence logits."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from ..parallel.context_parallel.model import context_parallel_mesh
+        from .settings import PluginSettings
+
+        user_fn = self.preprocess_logits_for_metrics
+        qwen = _prepared_qwen35(self.model_wrapped) or _prepared_qwen35(self.model)
+        if (
+            user_fn is None
+            or isinstance(user_fn, PerChunkPreprocess)
+            or qwen is None
+            or context_parallel_mesh(qwen) is None
+            or not PluginSettings.from_env().cp_metrics_per_chunk
+        ):
+            return original(self, *args, **kwargs)
+        self.preprocess_logits_for_metrics = PerChunkPreprocess(user_fn)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.preprocess_logits_for_metrics = user_fn
 
     return wrapper
 

@@ -136,6 +136,11 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "make rows of any length; stock leaves that to the collator)",
     ),
     PatchPoint(
+        "transformers.trainer", "Trainer.evaluation_loop", evaluation.evaluation_loop, TRANSFORMERS,
+        "dense Qwen3.5 under cp > 1 with QWEN35_ACCEL_CP_METRICS_PER_CHUNK=1: preprocess_logits_for_metrics runs on "
+        "each rank's chunks (in prediction_step), not on the assembled logits",
+    ),
+    PatchPoint(
         "transformers.trainer", "Trainer.prediction_step", evaluation.prediction_step, TRANSFORMERS,
         "dense Qwen3.5 under cp > 1 or a vocab-parallel lm_head: the logits of the whole sequence and vocab (stock: "
         "this rank's chunks); label-less batches run inside the CP context",

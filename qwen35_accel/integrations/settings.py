@@ -48,6 +48,11 @@ class PluginSettings:
         "under cp > 1, how GatedDeltaNet chunk summaries cross the ranks: allgather (one all-gather, O(cp) bytes), "
         "scan (log-depth, O(log cp) bytes and kept summaries) or auto (by cp size and backend)",
     )
+    cp_metrics_per_chunk: bool = _knob(
+        False,
+        "under cp > 1, run the Trainer's preprocess_logits_for_metrics on each rank's sequence chunks and gather its "
+        "output instead of the whole-sequence logits (exact only for position-wise functions such as argmax)",
+    )
     fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of the units in layer order, embedding to tail")
     fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
     fsdp2_backward_prefetch_depth: int = _knob(2, "layers prefetched ahead in backward")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from .model.packing import DocumentLayout, document_layout, layout_from_starts
 from .parallel.context_parallel.collectives import all_gather_with_grad
 from .parallel.context_parallel.layout import check_divisible, pad_for_context_parallel, shard_sequence, unshard_sequence
 
@@ -69,14 +70,10 @@ def pad_batch_for_context_parallel(batch: dict[str, Any], cp: int) -> dict[str, 
         flat = cu.flatten().long()
         if int(flat[-1]) != rows * seq:
             raise ValueError(f"{key} must end at the number of tokens in the batch ({rows} x {seq} = {rows * seq}); got {int(flat[-1])}")
-        old = torch.zeros(rows * seq, dtype=torch.bool, device=cu.device)
-        old[flat[:-1]] = True
         starts = torch.zeros(rows, seq + pad, dtype=torch.bool, device=cu.device)
-        starts[:, :seq] = old.view(rows, seq)
-        offsets = torch.nonzero(starts.reshape(-1)).flatten()
-        new_cu = torch.cat([offsets, offsets.new_tensor([rows * (seq + pad)])]).to(cu.dtype)
-        out[key] = new_cu
-        longest = int((new_cu[1:] - new_cu[:-1]).max())
+        starts[:, :seq] = DocumentLayout(flat, 0).starts(rows, seq)  # the padding extends each row's last document
+        padded = layout_from_starts(starts)
+        out[key], longest = padded.cu_seq_lens.to(cu.dtype), padded.max_length
     for key in ("max_length_q", "max_length_k"):
         if out.get(key) is not None and longest is not None:
             out[key] = longest
@@ -100,8 +97,6 @@ def shard_batch(batch: dict[str, Any], cp_mesh: DeviceMesh) -> dict[str, Any]:
     and `cu_seq_lens_*`/`seq_idx` stay whole-row (padded, not sharded), as the model
     under CP reads them. Raises ValueError for left padding and forms that disagree.
     """
-    from .model.packing import document_layout
-
     cp = cp_mesh.size()
     rank = cp_mesh.get_local_rank()
     input_ids = batch["input_ids"]

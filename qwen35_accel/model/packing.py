@@ -50,8 +50,14 @@ class DocumentLayout:
         first = starts[torch.searchsorted(starts, index, right=True) - 1]
         return (index - first).view(batch, seq_len)
 
+    def starts(self, batch: int, seq_len: int) -> torch.Tensor:
+        """[batch, seq_len] bool: True at each document's first token."""
+        flags = torch.zeros(batch * seq_len, dtype=torch.bool, device=self.cu_seq_lens.device)
+        flags[self.cu_seq_lens[:-1].long()] = True
+        return flags.view(batch, seq_len)
 
-def _from_starts(starts: torch.Tensor) -> DocumentLayout:
+
+def layout_from_starts(starts: torch.Tensor) -> DocumentLayout:
     """`starts` [batch, seq] bool (every row's first token a start) -> the layout."""
     flat = starts.reshape(-1)
     offsets = torch.nonzero(flat).flatten().to(torch.int32)
@@ -131,7 +137,7 @@ def document_layout(
             )
     if not bool(reference[:, 1:].any()):
         return None
-    return _from_starts(reference)
+    return layout_from_starts(reference)
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int:

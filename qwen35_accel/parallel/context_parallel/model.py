@@ -89,9 +89,7 @@ def _sharded_documents(
     )
     if layout is None:
         return None
-    starts = torch.zeros(rows * seq, dtype=torch.bool, device=layout.cu_seq_lens.device)
-    starts[layout.cu_seq_lens[:-1].long()] = True
-    return shard_documents(starts.view(rows, seq), cp, rank)
+    return shard_documents(layout.starts(rows, seq), cp, rank)
 
 
 def _check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

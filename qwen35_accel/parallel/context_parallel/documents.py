@@ -15,6 +15,7 @@ against them) and hands every layer a `ShardedDocuments` as the `DOCUMENTS_KWARG
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -43,6 +44,19 @@ class ShardedDocuments:
     def starts(self) -> torch.Tensor:
         """[batch, local_seq] bool: the token starts a document."""
         return self.offsets == 0
+
+    @functools.cached_property
+    def pieces(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The local tokens cut at document starts and at the two chunks' starts, once per
+        forward (every GatedDeltaNet layer reuses it, and so `ops.documents`' grouping,
+        cached per offsets tensor): (piece index [batch, local_seq] long, offsets
+        [pieces + 1] long in the flattened [batch * local_seq] tokens)."""
+        cuts = self.starts.clone()
+        cuts[:, 0] = cuts[:, cuts.shape[1] // 2] = True
+        flat = cuts.reshape(-1)
+        offsets = torch.nonzero(flat).flatten()
+        cu = torch.cat([offsets, offsets.new_tensor([flat.numel()])])
+        return flat.long().cumsum(0).view(cuts.shape) - 1, cu
 
 
 def shard_documents(starts: torch.Tensor, cp: int, rank: int) -> ShardedDocuments:

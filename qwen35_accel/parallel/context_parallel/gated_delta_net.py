@@ -88,10 +88,7 @@ def _cp_packed_gated_delta_rule(
     batch, local_seq, v_heads, v_dim = value.shape
     k_dim, half = key.shape[-1], local_seq // 2
     starts = documents.starts
-    cuts = starts.clone()
-    cuts[:, 0] = cuts[:, half] = True
-    offsets = torch.nonzero(cuts.reshape(-1)).flatten()
-    cu = torch.cat([offsets, offsets.new_tensor([batch * local_seq])])
+    piece, cu = documents.pieces
 
     def summarise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_: torch.Tensor, b: torch.Tensor):
         o0, w, M, U = chunk_summary(q, k, v, g_, b, use_qk_l2norm=use_qk_l2norm, kernel=kernel)
@@ -101,7 +98,6 @@ def _cp_packed_gated_delta_rule(
     per_token, per_piece = per_document_with_state(summarise, flat, cu)
     assert per_piece is not None
     o0, w = per_token.view(batch, local_seq, v_heads, v_dim + k_dim).split([v_dim, k_dim], dim=-1)
-    piece = cuts.reshape(-1).long().cumsum(0).view(batch, local_seq) - 1
     first, last = piece[:, [0, half]], piece[:, [half - 1, local_seq - 1]]  # [batch, 2]
     passes_on = (first == last) & ~starts[:, [0, half]]
     M = per_piece[first][..., :k_dim] * passes_on[..., None, None, None]

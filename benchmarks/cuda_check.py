@@ -17,7 +17,10 @@ Checks:
 5. tensor parallelism through `PARALLELIZER.apply` on the GPU (tp 2, and cp 2 x tp 2 on
    4 ranks), fp32: loss and every gathered gradient against the single-process model;
 6. packed rows, one process: every document against that document alone (logits, every
-   gradient), through the varlen kernels when causal-conv1d / FLA are installed.
+   gradient), through the varlen kernels when causal-conv1d / FLA are installed;
+7. the CP kernel interfaces: the kernels chosen for the device (FLA's chunk rule,
+   causal-conv1d's conv when installed) against the torch kernels, outputs and input
+   gradients (a chunk summary; the halo conv on channel-last bf16 input, with seq_idx).
 Writes `cuda_check.json` (all numbers, and under "run" the date, versions, machine and load
 average before / after) to --out and prints a summary. `--smoke` (tiny shapes; `--device cpu`
 on a machine without a GPU) runs checks 1-4 and tp 2 in one 2-rank world, leaves out the
@@ -151,6 +154,51 @@ def check_packing(device: str, smoke: bool = False) -> dict:
         "logits_rel_err": _rel(out.logits, alone),
         "max_grad_rel_err": grad_err,
     }
+
+
+def check_cp_kernels(device: str, smoke: bool = False) -> dict:
+    """The kernels a CP GatedDeltaNet layer chooses on `device` against the torch kernels."""
+    from qwen35_accel.ops.causal_conv import select_conv_kernel, torch_conv_kernel
+    from qwen35_accel.ops.gated_delta import chunk_summary, select_kernel, torch_kernel
+    from qwen35_accel.parallel.context_parallel.gated_delta_net import _documents_seq_idx
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    b, seq, h, dk, dv = (1, 256, 2, 32, 32) if smoke else (1, 4096, 8, 128, 128)
+    g = -torch.empty(b, seq, h).uniform_(0.002, 0.05, generator=gen)
+    inputs = [torch.randn(b, seq, h, dk, generator=gen), torch.randn(b, seq, h, dk, generator=gen),
+              torch.randn(b, seq, h, dv, generator=gen), g, torch.rand(b, seq, h, generator=gen)]
+    kernel = select_kernel(torch.device(device))
+    result: dict = {"rule_kernel": f"{kernel.__module__}.{kernel.__name__}"}
+    runs = []
+    for k in (kernel, torch_kernel()):
+        leaves = [t.to(device).requires_grad_(True) for t in inputs]
+        parts = chunk_summary(*leaves, kernel=k)
+        sum(p.float().square().mean() for p in parts).backward()
+        runs.append(([p.detach() for p in parts], [t.grad for t in leaves]))
+    for name, mine, ref in zip(("o0", "w", "M", "U"), runs[0][0], runs[1][0]):
+        result[f"summary_{name}_rel_err"] = _rel(mine, ref)
+    result["summary_max_grad_rel_err"] = max(_rel(a, r) for a, r in zip(runs[0][1], runs[1][1]))
+
+    conv = select_conv_kernel(torch.device(device))
+    result["conv_kernel"] = f"{conv.__module__}.{conv.__name__}"
+    channels, taps, halo = (64, 4, 3) if smoke else (8192, 4, 3)
+    offsets = torch.cat([torch.arange(5, 5 + 40), torch.arange(seq - 40)])[None].to(device)  # a document start inside
+    hidden = torch.randn(b, halo + seq, channels, generator=gen).to(device, torch.bfloat16)
+    weight = torch.randn(channels, taps, generator=gen).to(device, torch.bfloat16)
+    bias = torch.randn(channels, generator=gen).to(device, torch.bfloat16)
+    for packed in (False, True):
+        seq_idx = _documents_seq_idx(offsets, halo) if packed else None
+        runs = []
+        for k in (conv, torch_conv_kernel):
+            leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+            out = k(leaves[0].transpose(1, 2), leaves[1], leaves[2], seq_idx=seq_idx, activation="silu")[..., halo:]
+            out.float().square().mean().backward()
+            runs.append((out.detach(), [t.grad for t in leaves]))
+        tag = "conv_packed" if packed else "conv"
+        result[f"{tag}_rel_err"] = _rel(runs[0][0], runs[1][0])
+        result[f"{tag}_max_grad_rel_err"] = max(_rel(a, r) for a, r in zip(runs[0][1], runs[1][1]))
+    return result
 
 
 def _model_worker(rank: int, world: int, device: str, out_dir: str, smoke: bool) -> None:
@@ -292,6 +340,7 @@ def _checks(device: str, smoke: bool, out: Path | None, scratch: Path) -> None:
     for name, fn in (("ops", lambda: check_ops(device, smoke)),
                      ("attention_memory", lambda: check_attention_memory(device, smoke)),
                      ("packing", lambda: check_packing(device, smoke)),
+                     ("cp_kernels", lambda: check_cp_kernels(device, smoke)),
                      ("model_cp2", lambda: run_local_world(_smoke_worker if smoke else _model_worker, 2, device, work, smoke,
                                                            threads_per_rank=4)),
                      ("fsdp2_cp2", lambda: skipped or run_local_world(_fsdp_worker, 2, device, work, smoke, threads_per_rank=4)),

@@ -162,7 +162,7 @@ def test_cuda_check_cpu_smoke():
     results = {}
     for line in stdout.splitlines():
         name, _, value = line.partition(" ")
-        if name in ("ops", "attention_memory", "packing", "model_cp2", "fsdp2_cp2", "tp2", "cp2xtp2"):
+        if name in ("ops", "attention_memory", "packing", "cp_kernels", "model_cp2", "fsdp2_cp2", "tp2", "cp2xtp2"):
             results[name] = json.loads(value)
     assert results["ops"]["fp32"]["output_rel_err"] < 1e-5, stdout
     assert results["model_cp2"] == "ok", stdout  # with --smoke: the CP model, FSDP2 + CP and TP 2 checks
@@ -170,6 +170,9 @@ def test_cuda_check_cpu_smoke():
     # fp32 rtol 1e-5: the packed row's documents against each alone (per-document kernels on CPU).
     assert results["packing"]["logits_rel_err"] < 1e-5 and results["packing"]["max_grad_rel_err"] < 1e-5, stdout
     assert results["packing"]["varlen_rule"] is False, stdout  # CPU tensors never take the CUDA kernels
+    # On CPU the chosen kernels are the torch ones: the comparison runs and finds them equal.
+    assert results["cp_kernels"]["conv_kernel"].endswith("torch_conv_kernel"), stdout
+    assert results["cp_kernels"]["conv_packed_rel_err"] == 0.0 and results["cp_kernels"]["summary_U_rel_err"] == 0.0, stdout
     report = json.loads(stdout[stdout.index("\n{") + 1:])  # the whole report, printed last
     assert report["model_check.json"]["fp32_seq64"]["loss_rel_err"] < 1e-5, stdout
     assert math.isfinite(report["fsdp_check.json"]["loss"]), stdout

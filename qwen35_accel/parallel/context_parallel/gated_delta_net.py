@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from transformers.activations import ACT2FN
 
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
 from ...ops.documents import per_document_with_state
+from ...ops.causal_conv import ConvKernel, select_conv_kernel, torch_conv_kernel
 from ...ops.gated_delta import Kernel, chunk_summary, read_state, select_kernel
 from .collectives import all_gather_with_grad
 from .documents import DOCUMENTS_KWARG, ShardedDocuments
@@ -111,21 +110,19 @@ def _cp_packed_gated_delta_rule(
     return torch.cat(outputs, dim=1).to(value.dtype)
 
 
-def _masked_causal_conv1d(padded: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal conv whose window stops at each token's document start.
+def _documents_seq_idx(offsets: torch.Tensor, halo: int) -> torch.Tensor:
+    """causal-conv1d's `seq_idx` [batch, halo + n] int32 for a chunk's conv input `[halo | chunk]`.
 
-    `padded` [batch, channels, kernel − 1 + n] (the kernel − 1 inputs before the first
-    output, then n tokens), `weight` [channels, kernel], `offsets` [batch, n] (tokens since
-    the document's start). Tap j (j tokens back) counts only where offsets ≥ j: exactly a
-    zero-padded conv of each document alone. Returns [batch, channels, n] (no activation).
+    `offsets` [batch, n]: each chunk token's distance from its document's start. Chunk
+    tokens are numbered 1 + (document starts so far in the chunk); a halo token d places
+    before the chunk shares the first token's document (index 1) when d ≤ offsets[:, 0],
+    else gets 0. So every window stops at its token's document start: exactly each
+    document convolved alone with zeros before it.
     """
-    taps = weight.shape[-1]
-    n = padded.shape[-1] - (taps - 1)
-    out = padded.new_zeros(padded.shape[0], padded.shape[1], n) if bias is None else bias[None, :, None].expand(padded.shape[0], -1, n)
-    for back in range(taps):
-        x = padded[..., taps - 1 - back : taps - 1 - back + n]
-        out = out + weight[None, :, taps - 1 - back, None] * (x * (offsets >= back)[:, None, :].to(x.dtype))
-    return out
+    chunk = 1 + (offsets == 0).long().cumsum(dim=1)
+    distance = torch.arange(halo, 0, -1, device=offsets.device)  # halo, ..., 1
+    before = (distance[None, :] <= offsets[:, :1]).long()
+    return torch.cat([before, chunk], dim=1).to(torch.int32).contiguous()
 
 
 def cp_causal_conv1d(
@@ -136,6 +133,7 @@ def cp_causal_conv1d(
     group: dist.ProcessGroup,
     activation: str | None = "silu",
     documents: ShardedDocuments | None = None,
+    kernel: ConvKernel | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv1d over a sequence sharded across `group`.
 
@@ -143,9 +141,12 @@ def cp_causal_conv1d(
     [channels, kernel]. Each chunk is convolved with the last kernel−1 inputs that
     precede it in the whole sequence (zeros before the start), also when chunks are
     shorter than the kernel. With `documents` (packed rows) a window never reaches before
-    its token's document start. Communication: one all-gather of 2 × [batch, channels,
+    its token's document start. `kernel` (`ops.causal_conv.ConvKernel`, default
+    `torch_conv_kernel`) convolves each chunk behind its halo, channel-last, with `seq_idx`
+    for packed rows. Communication: one all-gather of 2 × [batch, channels,
     min(chunk, kernel−1)] per rank. Returns [batch, channels, local_seq] in `x`'s dtype.
     """
+    kernel = kernel or torch_conv_kernel
     cp = dist.get_world_size(group)
     rank = dist.get_rank(group)
     halo = weight.shape[-1] - 1
@@ -160,14 +161,11 @@ def cp_causal_conv1d(
         needed = -(-halo // tail) if tail else 0
         before = [gathered[chunk_owner(c, cp)] for c in range(max(0, chunk_index - needed), chunk_index)]
         context = torch.cat([x.new_zeros(*x.shape[:-1], halo), *before], dim=-1)[..., -halo:] if halo else x[..., :0]
-        padded = torch.cat([context, chunk], dim=-1).to(weight.dtype)
-        if offset is None:
-            out = F.conv1d(padded, weight.unsqueeze(1), bias, groups=x.shape[1])
-        else:
-            out = _masked_causal_conv1d(padded, weight, bias, offset)
-        if activation is not None:
-            out = ACT2FN[activation](out)
-        outputs.append(out.to(x.dtype))
+        # Channel-last (stride 1 along channels), the layout causal-conv1d needs for seq_idx.
+        padded = torch.cat([context.transpose(1, 2), chunk.transpose(1, 2)], dim=1).transpose(1, 2).to(weight.dtype)
+        seq_idx = None if offset is None else _documents_seq_idx(offset, halo)
+        out = kernel(padded, weight, bias, seq_idx=seq_idx, activation=activation)
+        outputs.append(out[..., halo:].to(x.dtype))
     return torch.cat(outputs, dim=-1)
 
 
@@ -189,6 +187,9 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
     # chosen at the first CP forward from the device (`select_kernel`: FLA's on CUDA when
     # installed, else torch's) and kept; assign one to override.
     cp_kernel: Kernel | None = None
+    # The conv's kernel (`ops.causal_conv.ConvKernel`), chosen alike (`select_conv_kernel`:
+    # causal-conv1d's on CUDA when installed, else torch's) and kept; assign one to override.
+    cp_conv_kernel: ConvKernel | None = None
 
     def check_call(self, cache: Any | None, kwargs: dict[str, Any]) -> None:
         if self._cp_group is None:
@@ -205,6 +206,8 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
     def conv(self, mixed_qkv: torch.Tensor, cache: Any | None, kwargs: dict[str, Any]) -> torch.Tensor:
         if self._cp_group is None:
             return super().conv(mixed_qkv, cache, kwargs)
+        if self.cp_conv_kernel is None:
+            self.cp_conv_kernel = select_conv_kernel(mixed_qkv.device)
         return cp_causal_conv1d(
             mixed_qkv,
             self.conv1d.weight.squeeze(1),
@@ -212,6 +215,7 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
             group=self._cp_group,
             activation=self.activation,
             documents=kwargs.get(DOCUMENTS_KWARG),
+            kernel=self.cp_conv_kernel,
         )
 
     def core(

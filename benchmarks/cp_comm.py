@@ -93,33 +93,12 @@ def total_bytes(collectives: list[tuple[str, int, str, str]], cp: int) -> int:
 
 
 def exchange_formulas(exchange: str, cp: int, batch: int, shape: dict[str, int]) -> dict[str, int]:
-    """Max over ranks of the state exchange's bytes sent (fwd, bwd) and bytes kept for backward.
+    """Max over ranks of the state exchange's bytes sent (fwd, bwd) and bytes kept for backward:
+    `state_exchange.exchange_bytes` (what `qwen35-accel plan` reports), checked here against
+    the profiler and the saved-tensor storages."""
+    from qwen35_accel.parallel.context_parallel.state_exchange import exchange_bytes
 
-    allgather: fwd = bwd = (cp−1)·4·2·B·Hv·Dk·(Dk+Dv); kept: M_c (Dk²) and S_c (Dk·Dv) of the
-    chunks 1 … b−1 before the rank's last chunk b = 2cp−1−r (rank 0: 2cp−2 of each).
-    scan: the messages of `state_exchange.scan_rounds` that cross ranks (a span from chunk 0
-    travels as U alone); backward sends each received message's gradient back; kept: M and
-    the received message per composition (rounds ≥ 1).
-    """
-    from qwen35_accel.parallel.context_parallel.layout import chunk_owner
-    from qwen35_accel.parallel.context_parallel.state_exchange import scan_rounds
-
-    f = DTYPE_BYTES[SUMMARY]
-    heads, k, v = batch * shape["v_heads"], shape["k_dim"], shape["v_dim"]
-    if exchange == "allgather":
-        sent = (cp - 1) * f * summary_elements(batch, shape)
-        return {"forward": sent, "backward": sent, "kept": f * (2 * cp - 2) * heads * (k * k + k * v) if cp > 1 else 0}
-    fwd, bwd, kept = [0] * cp, [0] * cp, [0] * cp
-    for round_index, messages in enumerate(scan_rounds(cp)):
-        for src, dst, u_only in messages:
-            size = f * heads * k * (v if u_only else k + v)
-            src_rank, dst_rank = chunk_owner(src, cp)[0], chunk_owner(dst, cp)[0]
-            if src_rank != dst_rank:
-                fwd[src_rank] += size
-                bwd[dst_rank] += size
-            if round_index:
-                kept[dst_rank] += f * heads * k * k + size
-    return {"forward": max(fwd), "backward": max(bwd), "kept": max(kept)}
+    return exchange_bytes(exchange, cp, batch * shape["v_heads"], shape["k_dim"], shape["v_dim"])
 
 
 # ---------------------------------------------------------------- measurement (workers)

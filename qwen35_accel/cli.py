@@ -1,6 +1,6 @@
 """`qwen35-accel`: see what a launch will do, without GPUs or weights.
 
-    qwen35-accel plan --model PATH|tiny --config accelerate_configs/X.yaml [--seq-len N] [--json]
+    qwen35-accel plan --model PATH|tiny --config accelerate_configs/X.yaml [--seq-len N] [--backend nccl|gloo] [--json]
     qwen35-accel env [--json]
 
 `plan` builds the model on the meta device and runs the real parallelizer in one
@@ -108,24 +108,38 @@ def _units(model: Any, shards: int, tp: int = 1) -> list[dict[str, Any]]:
     return rows
 
 
-def _cp_comm(text_config: Any, cp: int, seq_len: int, compute_bytes: int) -> dict[str, Any]:
-    """Bytes each rank sends per layer and step (forward; backward sends the same again)."""
+def _cp_comm(
+    text_config: Any, cp: int, tp: int, seq_len: int, compute_bytes: int, exchange: str, backend: str
+) -> dict[str, Any]:
+    """Bytes each rank sends per layer and sequence, forward (backward sends as much back),
+    by `benchmarks/cp_comm.py`'s convention: a ring all-gather sends (cp − 1) × its input.
+    GatedDeltaNet heads and attention K/V heads are split over tp (head parallel)."""
+    from .parallel.context_parallel.state_exchange import exchange_bytes, resolve_exchange, scan_from_cp
+
     if cp <= 1:
         return {}
     local = seq_len // cp
     chunk = local // 2
-    hv, dk, dv = text_config.linear_num_value_heads, text_config.linear_key_head_dim, text_config.linear_value_head_dim
-    conv_dim = 2 * text_config.linear_num_key_heads * dk + hv * dv
-    halo = min(chunk, text_config.linear_conv_kernel_dim - 1)
-    gdn = 2 * hv * dk * (dk + dv) * 4 + 2 * conv_dim * halo * compute_bytes
+    hv, dk, dv = text_config.linear_num_value_heads // tp, text_config.linear_key_head_dim, text_config.linear_value_head_dim
+    conv_dim = (2 * text_config.linear_num_key_heads * dk + text_config.linear_num_value_heads * dv) // tp
+    halo = (cp - 1) * 2 * conv_dim * min(chunk, text_config.linear_conv_kernel_dim - 1) * compute_bytes
+    chosen = resolve_exchange(exchange, cp, backend)
+    states = exchange_bytes(chosen, cp, hv, dk, dv)
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    attention = 2 * text_config.num_key_value_heads * local * head_dim * compute_bytes
+    kv_heads = max(1, text_config.num_key_value_heads // tp)
+    attention = (cp - 1) * 2 * kv_heads * local * head_dim * compute_bytes
+    why = f"auto: the scan from cp {scan_from_cp(backend)} on {backend}" if exchange == "auto" else "QWEN35_ACCEL_CP_STATE_EXCHANGE"
     return {
         "seq_len": seq_len,
         "layout": [f"rank {r}: chunks {r} and {2 * cp - 1 - r} of {2 * cp} ({chunk} tokens each)" for r in range(cp)],
-        "linear_attention_bytes_per_rank": gdn,
+        "backend": backend,
+        "state_exchange": chosen,
+        "state_exchange_reason": why,
+        "linear_attention_bytes_per_rank": halo + states["forward"],
+        "state_exchange_bytes_per_rank": states["forward"],
+        "state_exchange_kept_bytes_per_rank": states["kept"],
         "full_attention_bytes_per_rank": attention,
-        "note": "per sequence, forward; GatedDeltaNet traffic does not grow with seq_len, attention K/V does",
+        "note": "per sequence, forward, max over ranks; GatedDeltaNet traffic does not grow with seq_len, attention K/V does",
     }
 
 
@@ -139,8 +153,9 @@ def _unit_label(modules: list[str]) -> str:
     return label[-52:]
 
 
-def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
-    """The plan as a dict (what `plan --json` prints)."""
+def plan(model: str, config: str, seq_len: int = 4096, backend: str = "nccl") -> dict[str, Any]:
+    """The plan as a dict (what `plan --json` prints); `backend` of the cp group (its
+    automatic state exchange depends on it)."""
     import torch
     import torch.distributed as dist
     from accelerate.parallelism_config import ParallelismConfig
@@ -241,7 +256,9 @@ def plan(model: str, config: str, seq_len: int = 4096) -> dict[str, Any]:
         "layers": layers,
         "other_units": other,
         "prefetch": describe_prefetch(net) if error is None else {},
-        "context_parallel": _cp_comm(text_config, sizes["cp"], seq_len, compute_bytes),
+        "context_parallel": _cp_comm(
+            text_config, sizes["cp"], sizes["tp"], seq_len, compute_bytes, settings.cp_state_exchange, backend
+        ),
         "tensor_parallel": {"tp": sizes["tp"], "status": error or ("none" if sizes["tp"] == 1 else "applied")},
         "seconds": round(time.perf_counter() - started, 2),
     }
@@ -295,8 +312,13 @@ def _print_plan(p: dict[str, Any]) -> None:
         for line in cp["layout"]:
             print(f"  {line}")
         print(
-            f"  sent per rank per layer (forward): linear_attention {_human(cp['linear_attention_bytes_per_rank'])}, "
-            f"full_attention {_human(cp['full_attention_bytes_per_rank'])}"
+            f"  sent per rank per layer and sequence (forward; backward at most as much): linear_attention "
+            f"{_human(cp['linear_attention_bytes_per_rank'])}, full_attention {_human(cp['full_attention_bytes_per_rank'])}"
+        )
+        print(
+            f"  state exchange: {cp['state_exchange']} on {cp['backend']} ({cp['state_exchange_reason']}): sends "
+            f"{_human(cp['state_exchange_bytes_per_rank'])}, keeps {_human(cp['state_exchange_kept_bytes_per_rank'])} "
+            "for backward per GatedDeltaNet layer"
         )
     print(f"planned in {p['seconds']} s, nothing materialised (meta device)")
 
@@ -366,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--model", required=True, help="a model directory / config.json, or 'tiny'")
     p_plan.add_argument("--config", required=True, help="an Accelerate YAML (accelerate_configs/…)")
     p_plan.add_argument("--seq-len", type=int, default=4096, help="sequence length for the CP traffic figures")
+    p_plan.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
+                        help="the cp group's backend (CPU runs: gloo); the automatic state exchange depends on it")
     p_plan.add_argument("--json", action="store_true")
     p_env = sub.add_parser("env", help="versions, plugin status, patch points, settings")
     p_env.add_argument("--json", action="store_true")
@@ -375,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
     if args.command == "plan":
         try:
-            result = plan(args.model, args.config, args.seq_len)
+            result = plan(args.model, args.config, args.seq_len, args.backend)
         except PlanError as error:
             print(f"qwen35-accel plan: {error}", file=sys.stderr)
             return 2

@@ -104,6 +104,39 @@ def scan_rounds(cp: int) -> list[list[tuple[int, int, bool]]]:
     return rounds
 
 
+def exchange_bytes(exchange: str, cp: int, heads: int, k_dim: int, v_dim: int) -> dict[str, int]:
+    """Bytes one rank sends (forward, backward) and keeps for backward, max over the cp
+    ranks, in one GatedDeltaNet layer's state exchange; summaries are fp32.
+
+    `exchange` "allgather" or "scan" (resolve "auto" first: `resolve_exchange`); `heads` =
+    batch × the rank's value heads. Convention (`benchmarks/cp_comm.py`, checked there
+    against the profiler): a ring all-gather sends (cp − 1) × its input, its backward (an
+    all-to-all of the cp × gathered gradient) as much; the scan sends the messages of
+    `scan_rounds` that cross ranks (a span from chunk 0 as U alone), backward each one's
+    gradient back. Kept: the all-gather's fold keeps M_c and S_c of the chunks 1 … b − 1
+    before a rank's last chunk b (rank 0: 2cp − 2 of each); the scan keeps M and the
+    received message of every composition (rounds ≥ 1).
+    """
+    f = 4
+    if exchange == "allgather":
+        sent = (cp - 1) * f * 2 * heads * k_dim * (k_dim + v_dim)
+        kept = f * (2 * cp - 2) * heads * (k_dim * k_dim + k_dim * v_dim)
+        return {"forward": sent, "backward": sent, "kept": kept}
+    if exchange != "scan":
+        raise ValueError(f"exchange {exchange!r}: pass 'allgather' or 'scan' (resolve 'auto' with resolve_exchange)")
+    fwd, bwd, kept = [0] * cp, [0] * cp, [0] * cp
+    for round_index, messages in enumerate(scan_rounds(cp) if cp > 1 else []):
+        for src, dst, u_only in messages:
+            size = f * heads * k_dim * (v_dim if u_only else k_dim + v_dim)
+            src_rank, dst_rank = chunk_owner(src, cp)[0], chunk_owner(dst, cp)[0]
+            if src_rank != dst_rank:
+                fwd[src_rank] += size
+                bwd[dst_rank] += size
+            if round_index:
+                kept[dst_rank] += f * heads * k_dim * k_dim + size
+    return {"forward": max(fwd), "backward": max(bwd), "kept": max(kept)}
+
+
 def _p2p(
     sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group: dist.ProcessGroup, tag: int
 ) -> None:

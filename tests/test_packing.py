@@ -67,6 +67,25 @@ def test_documents_are_grouped_once_per_forward(monkeypatch):
     assert layers >= 2 and len(calls) == 1
 
 
+def test_sharded_documents_first_keys_per_chunk():
+    """The first key each local chunk's attention needs: the earliest document start among
+    its queries, computed once per forward (one host sync) and shared by the layers."""
+    from qwen35_accel.parallel.context_parallel.documents import shard_documents
+
+    starts = torch.zeros(2, 16, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[0, [5, 9]] = True  # row 0: documents at 0, 5, 9
+    starts[1, 12] = True  # row 1: documents at 0, 12
+    # cp 2, rank 1 holds chunks 1 (tokens 4-7) and 2 (tokens 8-11).
+    docs = shard_documents(starts, cp=2, rank=1)
+    assert docs.index.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    # chunk 1: row 0's token 4 is in the document from 0, row 1's from 0 -> 0; chunk 2: row 0
+    # from 5 and 9, row 1 from 0 -> 0. Rank 0 (chunks 0 and 3): 0 and min(9, 12) = 9.
+    assert docs.first_keys == (0, 0)
+    assert shard_documents(starts, cp=2, rank=0).first_keys == (0, 9)
+    assert docs.first_keys is docs.first_keys  # cached on the instance
+
+
 def test_unmodified_transformers_leaks_across_documents_so_the_comparison_can_fail():
     reference, _ = _models()
     batch, documents = packed_documents(LENGTHS, reference.config.vocab_size, seed=1)

@@ -56,11 +56,17 @@ def _document_mask(query_index: torch.Tensor, doc_start: torch.Tensor, first_key
 
 
 def _sdpa_documents(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_index: torch.Tensor, doc_start: torch.Tensor, dropout: float, scaling: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_index: torch.Tensor,
+    doc_start: torch.Tensor,
+    first_key: int,
+    dropout: float,
+    scaling: float,
 ) -> torch.Tensor:
-    """SDPA of queries over keys `first_key = doc_start.min()` … end of `k`, each query
+    """SDPA of queries over keys `first_key` (= doc_start.min()) … end of `k`, each query
     within its document (the mask is built here, so a checkpoint keeps only the indices)."""
-    first_key = int(doc_start.min())
     mask = _document_mask(query_index, doc_start, first_key, first_key + k.shape[2])
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
@@ -105,13 +111,15 @@ def cp_attention(
         end = (chunk_index + 1) * chunk_len
         part = slice(slot * chunk_len, (slot + 1) * chunk_len)
         q = query[:, :, part]
-        first_key = 0 if documents is None else int(documents.doc_start[:, part].min())
+        first_key = 0 if documents is None else documents.first_keys[slot]
         k, v = full_key[:, :, first_key:end], full_value[:, :, first_key:end]
         if implementation == "sdpa":
             if documents is None:
                 attend, args = _sdpa_causal_lower_right, (q, k, v, dropout, scaling)
             else:
-                attend, args = _sdpa_documents, (q, k, v, documents.index[part], documents.doc_start[:, part], dropout, scaling)
+                attend, args = _sdpa_documents, (
+                    q, k, v, documents.index[part], documents.doc_start[:, part], first_key, dropout, scaling
+                )
             if q.device.type == "cpu" and torch.is_grad_enabled() and dropout == 0.0:
                 # The CPU kernels materialise the [chunk, keys] mask and keep it for backward
                 # until then; recomputing the attention in backward keeps only q, k, v.

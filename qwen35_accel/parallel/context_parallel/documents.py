@@ -46,6 +46,14 @@ class ShardedDocuments:
         return self.offsets == 0
 
     @functools.cached_property
+    def first_keys(self) -> tuple[int, int]:
+        """Per local chunk, the earliest document start among its queries (the first key
+        attention needs): one host sync per forward, shared by every attention layer."""
+        half = self.doc_start.shape[1] // 2
+        firsts = torch.stack([self.doc_start[:, :half].min(), self.doc_start[:, half:].min()]).tolist()
+        return firsts[0], firsts[1]
+
+    @functools.cached_property
     def pieces(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The local tokens cut at document starts and at the two chunks' starts, once per
         forward (every GatedDeltaNet layer reuses it, and so `ops.documents`' grouping,

@@ -38,7 +38,10 @@ def test_settings_defaults_env_and_errors():
 def test_patch_points_install_idempotently_restore_and_respect_the_version_guard(monkeypatch):
     import accelerate
     import transformers.trainer
-    import trl.trainer.dpo_trainer  # noqa: F401  (the module of a deferred point)
+    import trl.trainer.dpo_trainer  # noqa: F401  (the modules of deferred points)
+    import trl.trainer.grpo_trainer  # noqa: F401
+    import trl.trainer.kto_trainer  # noqa: F401
+    import trl.trainer.rloo_trainer  # noqa: F401
     from accelerate.accelerator import Accelerator
 
     from qwen35_accel.integrations import accelerate as plugin

@@ -150,10 +150,14 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "dense Qwen3.5 under FSDP2 with a sharded state dict type: the explicit save_model writes a Hugging Face "
         "checkpoint from the gathered weights (stock writes no weights at all)",
     ),
-    PatchPoint(
-        "trl.trainer.dpo_trainer", "prepare_fsdp", several_models.trl_prepare_fsdp, TRL,
-        "DPOTrainer's reference model, dense Qwen3.5 under FSDP2: our units and CP/TP layers (stock TRL: one "
-        "fully_shard on the whole model)",
+    *(
+        PatchPoint(
+            f"trl.trainer.{module}", "prepare_fsdp", several_models.trl_prepare_fsdp(trainer), TRL,
+            f"{trainer}'s reference model, dense Qwen3.5 under FSDP2: our units and CP/TP layers (stock TRL: one "
+            "fully_shard on the whole model)",
+        )
+        for module, trainer in (("dpo_trainer", "DPOTrainer"), ("grpo_trainer", "GRPOTrainer"),
+                                ("rloo_trainer", "RLOOTrainer"), ("kto_trainer", "KTOTrainer"))
     ),
 )
 

@@ -96,27 +96,33 @@ def prepare(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def trl_prepare_fsdp(original: Callable[..., Any]) -> Callable[..., Any]:
-    """TRL's `prepare_fsdp(model, accelerator)` (its reference model) for a dense Qwen3.5
-    model under FSDP2: `prepare_extra_model`, in eval mode, as TRL leaves it."""
+def trl_prepare_fsdp(trainer: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The wrapper of TRL's `prepare_fsdp(model, accelerator)` as `trainer`'s module imports it
+    (its reference model): for a dense Qwen3.5 model under FSDP2, `prepare_extra_model`, in
+    eval mode, as TRL leaves it. Under context parallelism refused: these trainers compute
+    per-sequence (or per-token) log-probabilities from the logits they receive, which are
+    this rank's sequence chunks, and GRPO/RLOO generate, which CP cannot."""
 
-    @functools.wraps(original)
-    def wrapper(model: nn.Module, accelerator: Any) -> nn.Module:
-        plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
-        if is_dense_qwen35_module(model) and plugin is not None and plugin.fsdp_version == 2 and not getattr(
-            model, "_qwen35_accel_prepared", False
-        ):
-            parallelism = getattr(accelerator, "parallelism_config", None)
-            if parallelism is not None and parallelism.cp_enabled:
-                raise NotImplementedError(
-                    f"TRL's DPOTrainer under context parallelism (cp_size={parallelism.cp_size}) is not supported for "
-                    "Qwen3.5 by qwen35_accel: TRL computes each sequence's log-probability from the logits it "
-                    "receives, which under CP are this rank's sequence chunks. Run DPO with cp_size 1 (FSDP2 and "
-                    "tensor parallelism work)."
-                )
-            model = prepare_extra_model(accelerator, model, register=False)
-            model.eval()
-            return model
-        return original(model, accelerator)
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(model: nn.Module, accelerator: Any) -> nn.Module:
+            plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+            if is_dense_qwen35_module(model) and plugin is not None and plugin.fsdp_version == 2 and not getattr(
+                model, "_qwen35_accel_prepared", False
+            ):
+                parallelism = getattr(accelerator, "parallelism_config", None)
+                if parallelism is not None and parallelism.cp_enabled:
+                    raise NotImplementedError(
+                        f"TRL's {trainer} under context parallelism (cp_size={parallelism.cp_size}) is not supported "
+                        "for Qwen3.5 by qwen35_accel: TRL computes log-probabilities from the logits it receives, "
+                        f"which under CP are this rank's sequence chunks. Run {trainer} with cp_size 1 (FSDP2 and "
+                        "tensor parallelism work)."
+                    )
+                model = prepare_extra_model(accelerator, model, register=False)
+                model.eval()
+                return model
+            return original(model, accelerator)
 
-    return wrapper
+        return wrapper
+
+    return wrap

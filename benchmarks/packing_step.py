@@ -27,6 +27,7 @@ import time
 import torch
 
 import _report
+from qwen35_accel.testing.saved_tensors import saved_storage_bytes
 from cp_memory import SMOKE_SHAPE, WIDE_SHAPE, shape_note
 
 
@@ -67,21 +68,11 @@ def packed_batch(docs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, int]:
     """(seconds of forward + backward, bytes saved for backward)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(**batch).loss
+    loss, saved = saved_storage_bytes(lambda: model(**batch).loss, exclude=model.parameters())
     loss.backward()
-    return time.perf_counter() - start, sum(saved.values())
+    return time.perf_counter() - start, saved
 
 
 @torch.no_grad()

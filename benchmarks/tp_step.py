@@ -27,6 +27,7 @@ import time
 import torch
 
 import _report
+from qwen35_accel.testing.saved_tensors import saved_storage_bytes
 
 SHAPE = dict(  # a GatedDeltaNet layer of 4B-like proportions, scaled to run on CPUs
     hidden_size=1024, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64,
@@ -35,19 +36,6 @@ SHAPE = dict(  # a GatedDeltaNet layer of 4B-like proportions, scaled to run on 
 )
 SMOKE_SHAPE = {**SHAPE, **dict(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                                linear_value_head_dim=16, num_attention_heads=4, head_dim=16, intermediate_size=128)}
-
-
-def _saved_bytes(fn) -> int:
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
 
 
 def _worker(rank: int, world: int, seq: int, steps: int, shape: dict, out: dict) -> None:
@@ -73,7 +61,7 @@ def _worker(rank: int, world: int, seq: int, steps: int, shape: dict, out: dict)
     for name, layer in (("ours", ours), ("transformers_plan", full)):
         x = hidden.clone().requires_grad_()
         holder: dict = {}
-        memory[name] = _saved_bytes(lambda layer=layer, x=x: holder.update(y=layer(x)))
+        memory[name] = saved_storage_bytes(lambda layer=layer, x=x: holder.update(y=layer(x)))[1]
         holder["y"].sum().backward()
     times: dict[str, list[float]] = {"ours": [], "transformers_plan": []}
     warmup = 1 if steps < 5 else 2

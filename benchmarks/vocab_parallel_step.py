@@ -26,24 +26,9 @@ import time
 import torch
 
 import _report
+from qwen35_accel.testing.saved_tensors import saved_storage_bytes
 
 HIDDEN = 256
-
-
-def _saved_bytes(fn, params) -> int:
-    """Bytes of the tensors `fn`'s autograd graph saves, parameters excluded."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
 
 
 def _worker(rank: int, world: int, seq: int, vocab: int, hidden_size: int, steps: int, path: str) -> None:
@@ -70,7 +55,7 @@ def _worker(rank: int, world: int, seq: int, vocab: int, hidden_size: int, steps
         x = hidden.clone().requires_grad_()
         holder: dict = {}
         params = list(ours.parameters()) + list(full.parameters())
-        memory[name] = _saved_bytes(lambda run=run, x=x: holder.update(loss=run(x)), params)
+        memory[name] = saved_storage_bytes(lambda run=run, x=x: holder.update(loss=run(x)), exclude=params)[1]
         holder["loss"].backward()
         losses[name] = holder["loss"].item()
     times: dict[str, list[float]] = {name: [] for name in runs}

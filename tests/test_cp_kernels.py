@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from _dist import run_world
 from _parity import assert_close, assert_grads_match
 from torch.distributed.device_mesh import init_device_mesh

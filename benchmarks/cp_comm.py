@@ -106,8 +106,9 @@ def exchange_formulas(exchange: str, cp: int, batch: int, shape: dict[str, int])
 _TORCH_DTYPES = {"float": "fp32", "c10::BFloat16": "bf16", "BFloat16": "bf16", "c10::Half": "fp16", "double": "fp64"}
 
 
-def _profile_collectives(fn) -> list[tuple[str, int, str]]:
-    """(event name, elements, dtype) of every gloo collective `fn` runs."""
+def _profile_collectives(fn) -> list[tuple[str, int, str | None]]:
+    """(event name, elements, dtype or None where the profiler records none) of every gloo
+    collective `fn` runs."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -116,9 +117,12 @@ def _profile_collectives(fn) -> list[tuple[str, int, str]]:
     for event in prof.events():
         if event.name.startswith("gloo:"):
             shapes = [s for s in event.input_shapes if s]
-            dtypes = [d for s, d in zip(event.input_shapes, event.input_dtypes or [""] * len(event.input_shapes)) if s]
             numel = sum(int(torch.Size(s).numel()) for s in shapes)
-            kinds = {_TORCH_DTYPES.get(d, d) for d in dtypes}
+            recorded = getattr(event, "input_dtypes", None)  # not recorded by torch's profiler before 2.13
+            if recorded is None:
+                rows.append((event.name, numel, None))
+                continue
+            kinds = {_TORCH_DTYPES.get(d, d) for s, d in zip(event.input_shapes, recorded) if s}
             rows.append((event.name, numel, kinds.pop() if len(kinds) == 1 else "/".join(sorted(kinds))))
     return rows
 
@@ -266,7 +270,7 @@ def _exchange_section(cps: list[int], shapes: dict[str, dict[str, int]], batch: 
                 formula = exchange_formulas(exchange, cp, batch, shape)
                 cells, ok = {}, True
                 for direction in ("forward", "backward"):
-                    sent = [round(sum(n * DTYPE_BYTES[d] * sent_fraction(c, cp) for c, n, d in r[name][exchange][direction]))
+                    sent = [round(sum(n * DTYPE_BYTES[d or SUMMARY] * sent_fraction(c, cp) for c, n, d in r[name][exchange][direction]))
                             for r in per_rank]
                     cells[direction] = max(sent)
                     ok &= cells[direction] == formula[direction]
@@ -318,7 +322,7 @@ def _check(measured: list[list], formula: list[tuple[str, int, str, str]], measu
     the formula's, so measured bytes are exactly the formula's bytes.
     """
     ok = sorted((c, n) for c, n, _ in measured) == sorted((f"gloo:{c}", n) for _, n, _, c in formula)
-    if ok and measure_dtype == COMPUTE:
+    if ok and measure_dtype == COMPUTE and all(d is not None for _, _, d in measured):  # elements only without dtypes
         ok = sorted((n, d) for _, n, d in measured) == sorted((n, d) for _, n, d, _ in formula)
     # Bytes: measured elements priced at the dtype of the formula's collective of that size.
     price = {n: DTYPE_BYTES[d] for _, n, d, _ in formula}

@@ -10,7 +10,7 @@ from importlib import metadata
 
 # name -> (minimum inclusive, maximum exclusive, why this minimum)
 SUPPORTED: dict[str, tuple[str, str, str]] = {
-    "torch": ("2.13", "3", "public fully_shard with shared-parameter checks and DeviceMesh flattening as tested"),
+    "torch": ("2.11", "3", "the oldest torch the whole test suite ran with: FSDP2, DeviceMesh flattening, DTensor"),
     "transformers": ("5.24", "6", "the Qwen3.5 modeling code whose GatedDeltaNet forward qwen35_accel mirrors"),
     "accelerate": ("1.15", "2", "ParallelismConfig and the FSDP2 preparation path qwen35_accel hooks"),
 }

@@ -21,12 +21,12 @@ def test_installed_versions_are_supported():
 
 
 def test_unsupported_versions_raise_import_error_naming_each(monkeypatch):
-    fake = {"torch": "2.12.1", "transformers": "4.57.0", "accelerate": "1.15.0"}
+    fake = {"torch": "2.10.0", "transformers": "4.57.0", "accelerate": "1.15.0"}
     monkeypatch.setattr(_versions.metadata, "version", lambda name: fake[name])
     with pytest.raises(ImportError) as err:
         _versions.check_versions()
     message = str(err.value)
-    assert "torch 2.12.1 is installed; qwen35-accel supports torch>=2.13,<3" in message
+    assert "torch 2.10.0 is installed; qwen35-accel supports torch>=2.11,<3" in message
     assert "transformers 4.57.0 is installed; qwen35-accel supports transformers>=5.24,<6" in message
     assert "accelerate" not in message.split("Install a supported set")[0]
 
@@ -43,10 +43,10 @@ def test_missing_required_package_is_reported(monkeypatch):
 
 
 def test_ignore_versions_turns_the_error_into_a_warning(monkeypatch):
-    monkeypatch.setattr(_versions.metadata, "version", lambda name: {"torch": "2.11.0"}.get(name, "5.24.0"))
+    monkeypatch.setattr(_versions.metadata, "version", lambda name: {"torch": "2.10.0"}.get(name, "5.24.0"))
     monkeypatch.setenv("QWEN35_ACCEL_IGNORE_VERSIONS", "1")
-    with pytest.warns(UserWarning, match="torch 2.11.0 is installed"):
-        assert _versions.check_versions()["torch"] == "2.11.0"
+    with pytest.warns(UserWarning, match="torch 2.10.0 is installed"):
+        assert _versions.check_versions()["torch"] == "2.10.0"
 
 
 def test_an_unsupported_accelerate_does_not_stop_the_import(monkeypatch):

@@ -1,7 +1,7 @@
 """Training step on one GPU: unmodified Transformers vs qwen35_accel at cp 1 and cp 2.
 
     python benchmarks/gpu_step.py [--models 2B 9B] [--seqs 8192 32768 65536] [--steps 5] [--warmup 2]
-                                  [--layers N] [--torch_compile] [--config-json PATH] [--smoke]
+                                  [--layers N] [--torch_compile] [--config-json PATH] [--budget S] [--smoke]
 
 One prepared script for a GPU session (no downloads: random-init models of published
 shapes). Per model and sequence, tokens/s, peak memory and an MFU estimate of:
@@ -193,6 +193,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the GPU (default: by its name)")
     parser.add_argument("--threads", type=int, default=4, help="CPU threads per rank")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration before its world is killed")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds after which no further configuration starts (listed as skipped; for a device "
+                             "session's fixed time)")
     _report.add_arguments(parser)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -214,6 +217,7 @@ def main() -> None:
     if peak is None and device_type == "cuda":
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name(0)), None)
 
+    started = time.perf_counter()
     lines = [f"Batch 1, activation checkpointing, SGD; median of {args.steps} steps after {args.warmup} warm-up steps; "
              f"layers: {args.layers or 'all'}; MFU against {peak or 'n/a'} TFLOP/s.\n",
              "| model | seq | config | compiled | tokens/s | vs transformers | peak memory (GiB, per rank) | MFU | first loss |",
@@ -226,6 +230,10 @@ def main() -> None:
             for compiled in ([False, True] if args.torch_compile else [False]):
                 baseline = None
                 for name in CONFIGS:
+                    if args.budget is not None and time.perf_counter() - started >= args.budget:
+                        lines.append(f"| {model_name} | {seq} | {name} | {compiled} | skipped (--budget {args.budget:g} s) | | | | |")
+                        print(lines[-1], flush=True)
+                        continue
                     ranks = _run(name, config, seq, args, compiled, device_type)
                     if any(r.get("oom") for r in ranks):
                         lines.append(f"| {model_name} | {seq} | {name} | {compiled} | OOM | | | | |")

@@ -201,3 +201,6 @@ def test_gpu_step_smoke_runs_the_three_configurations_on_the_same_model():
     assert all(float(r[4]) > 0 and math.isfinite(float(r[4])) for r in rows), stdout
     losses = [float(r[-1]) for r in rows]  # fp32 on CPU: the same first-step loss (reduction order only)
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), stdout
+    # A spent --budget starts no configuration and says so per row (a device session's fixed time).
+    spent = _table_rows(_smoke("gpu_step.py", "--budget", "0"), "| model | seq | config |")
+    assert [(r[2], r[4]) for r in spent] == [(name, "skipped (--budget 0 s)") for name in ("transformers", "ours cp 1", "ours cp 2")]

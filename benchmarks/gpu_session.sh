@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU measurements still owed (issue 14: FLA inside CP, the GPU step) in one device call,
+# sized for a 15-minute device budget (about 2 minutes of it to start the machine).
+#
+#   bash benchmarks/gpu_session.sh fetch   # here, where pip reaches an index: the wheels into .whl/ (git-ignored)
+#   bash benchmarks/gpu_session.sh run     # there: the device tool's run, carry [".whl"], timeout_s 570
+#
+# The GPU image (see the device tool's KINDS.md) has torch 2.11 (supported), Transformers 5.17
+# (qwen35_accel needs 5.24) and no flash-linear-attention: the carried wheels are
+# transformers 5.24.0, fla-core / flash-linear-attention 0.5.2 (pure Python, Triton kernels
+# compiled on first use) and regex (Transformers 5.24 checks its version at import).
+# causal-conv1d publishes no wheels and compiles for minutes, so the conv kernels stay
+# unmeasured. Results go to $OUT (cuda_check.json, gpu_step.md, the logs); copy them into
+# benchmarks/results/ and quote them in the README.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=.whl
+
+case "${1:-}" in
+fetch)
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$WHEELS" transformers==5.24.0 fla-core==0.5.2 flash-linear-attention==0.5.2 regex==2026.5.9
+    du -sh "$WHEELS"
+    ;;
+run)
+    OUT=${OUT:-$PWD/gpu_session_out}
+    mkdir -p "$OUT"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+    python3 -c "import torch, transformers, fla, qwen35_accel; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'fla', getattr(fla, '__version__', '?'), 'qwen35_accel', qwen35_accel.__file__)" | tee -a "$OUT/gpu.txt"
+    # 1. Correctness on the device, FLA's kernels included (check 7: the CP kernel interfaces).
+    timeout 200 python3 benchmarks/cuda_check.py --out "$OUT" > "$OUT/cuda_check.log" 2>&1 || echo "cuda_check exited $?"
+    tail -c 3000 "$OUT/cuda_check.log"
+    # 2. The step: 2B-shaped at 8k and 32k, then 9B-shaped at 32k while the budget lasts.
+    timeout 330 python3 benchmarks/gpu_step.py --models 2B --seqs 8192 32768 --steps 3 --warmup 1 --budget 150 \
+        --timeout 120 --results-dir "$OUT" > "$OUT/gpu_step.log" 2>&1 || echo "gpu_step (2B) exited $?"
+    timeout 150 python3 benchmarks/gpu_step.py --models 9B --seqs 32768 --steps 3 --warmup 1 --budget 60 \
+        --timeout 120 --results-dir "$OUT" >> "$OUT/gpu_step.log" 2>&1 || echo "gpu_step (9B) exited $?"
+    grep '^|' "$OUT/gpu_step.log" || tail -c 3000 "$OUT/gpu_step.log"
+    ;;
+*)
+    echo "usage: bash benchmarks/gpu_session.sh fetch|run" >&2
+    exit 2
+    ;;
+esac

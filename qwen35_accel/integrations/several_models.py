@@ -96,6 +96,27 @@ def prepare(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# TRL trainers that compute log-probabilities of whole sequences from the logits they receive
+# (under CP: this rank's chunks), so they cannot run under our context parallelism.
+TRL_LOGPROB_TRAINERS = ("DPOTrainer", "GRPOTrainer", "RLOOTrainer", "KTOTrainer")
+
+
+def trl_logprob_trainer(trainer: Any) -> str | None:
+    """The name of the `TRL_LOGPROB_TRAINERS` class `trainer` is (or derives from), else None."""
+    for cls in type(trainer).__mro__:
+        if cls.__module__.startswith("trl.") and cls.__name__ in TRL_LOGPROB_TRAINERS:
+            return cls.__name__
+    return None
+
+
+def trl_under_cp_error(trainer: str, cp_size: int) -> NotImplementedError:
+    return NotImplementedError(
+        f"TRL's {trainer} under context parallelism (cp_size={cp_size}) is not supported for Qwen3.5 by "
+        "qwen35_accel: TRL computes log-probabilities from the logits it receives, which under CP are this rank's "
+        f"sequence chunks. Run {trainer} with cp_size 1 (FSDP2 and tensor parallelism work)."
+    )
+
+
 def trl_prepare_fsdp(trainer: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The wrapper of TRL's `prepare_fsdp(model, accelerator)` as `trainer`'s module imports it
     (its reference model): for a dense Qwen3.5 model under FSDP2, `prepare_extra_model`, in
@@ -112,12 +133,7 @@ def trl_prepare_fsdp(trainer: str) -> Callable[[Callable[..., Any]], Callable[..
             ):
                 parallelism = getattr(accelerator, "parallelism_config", None)
                 if parallelism is not None and parallelism.cp_enabled:
-                    raise NotImplementedError(
-                        f"TRL's {trainer} under context parallelism (cp_size={parallelism.cp_size}) is not supported "
-                        "for Qwen3.5 by qwen35_accel: TRL computes log-probabilities from the logits it receives, "
-                        f"which under CP are this rank's sequence chunks. Run {trainer} with cp_size 1 (FSDP2 and "
-                        "tensor parallelism work)."
-                    )
+                    raise trl_under_cp_error(trainer, parallelism.cp_size)
                 model = prepare_extra_model(accelerator, model, register=False)
                 model.eval()
                 return model

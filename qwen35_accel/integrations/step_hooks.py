@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from .several_models import trl_logprob_trainer, trl_under_cp_error
+
 
 def maybe_context_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
@@ -36,11 +38,16 @@ def maybe_context_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
 def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
     """`Trainer._prepare_context_parallel_inputs`: under our cp, pad the batch to a multiple
     of 2·cp first (padding-free collators such as `DataCollatorWithFlattening` make rows of
-    any length; only here are the keys, and so each buffer's pad value, known)."""
+    any length; only here are the keys, and so each buffer's pad value, known). TRL's
+    log-probability trainers (DPO, GRPO, RLOO, KTO) are refused here on every rank: they
+    would compute sequence log-probabilities from this rank's chunks (with a reference
+    model they are refused earlier, when TRL prepares it)."""
 
     @functools.wraps(original)
     def wrapper(self: Any, model: Any, inputs: dict[str, Any]) -> Any:
         cp_mesh = getattr(getattr(self, "accelerator", None), "_qwen35_cp_mesh", None)
+        if cp_mesh is not None and (trainer := trl_logprob_trainer(self)) is not None:
+            raise trl_under_cp_error(trainer, cp_mesh.size())
         if cp_mesh is not None and isinstance(inputs, Mapping) and (  # collators may return a BatchEncoding
             inputs.get("input_ids") is not None or inputs.get("inputs_embeds") is not None
         ):

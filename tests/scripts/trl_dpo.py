@@ -3,7 +3,10 @@ Qwen3.5 as policy and as frozen reference (the same initial weights, two objects
 pairs built from the recipes' toy prompt/completion data, 4 SGD steps; losses, reward
 metrics and grad norms in `trainer_state.json`.
 
-    [accelerate launch --config_file …] tests/scripts/trl_dpo.py OUTPUT_DIR PER_DEVICE
+    [accelerate launch --config_file …] tests/scripts/trl_dpo.py OUTPUT_DIR PER_DEVICE [lora]
+
+With `lora`: no reference model; TRL trains LoRA adapters and takes the reference
+log-probabilities from the policy with its adapters disabled.
 """
 
 import sys
@@ -34,9 +37,14 @@ def preference_pairs():
     )
 
 
-def main(out: str, per_device: int) -> None:
+def main(out: str, per_device: int, lora: bool = False) -> None:
     tokenizer = AutoTokenizer.from_pretrained(RECIPES / "configs" / "tokenizer")
-    model, ref_model = tiny_model(), tiny_model()
+    model, ref_model = tiny_model(), None if lora else tiny_model()
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "in_proj_qkv"])
     args = DPOConfig(
         output_dir=out,
         max_steps=4,
@@ -54,10 +62,10 @@ def main(out: str, per_device: int) -> None:
         pad_to_multiple_of=8,
     )
     trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=preference_pairs(),
-                         processing_class=tokenizer)
+                         processing_class=tokenizer, peft_config=peft_config)
     trainer.train()
     trainer.save_state()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), lora=sys.argv[3:] == ["lora"])

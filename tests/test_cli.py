@@ -51,24 +51,16 @@ def test_plan_tiny_shows_mesh_dtype_uniform_units_and_cp_layout():
 def test_plan_reports_the_state_exchange_the_run_takes(tmp_path):
     """Per backend and cp, the exchange `auto` resolves to and its bytes (the formula
     `benchmarks/cp_comm.py` checks against the profiler); tp splits the heads."""
+    from qwen35_accel.cli import _cp_comm
     from qwen35_accel.parallel.context_parallel.state_exchange import exchange_bytes
     from qwen35_accel.testing.tiny import tiny_text_config
 
-    text = (CONFIGS / "cpu_fsdp2_cp2.yaml").read_text()
-    configs = {}
-    for cp, tp in ((2, 1), (8, 1), (8, 2)):
-        path = tmp_path / f"cp{cp}_tp{tp}.yaml"
-        path.write_text(text.replace("num_processes: 2", f"num_processes: {cp * tp}")
-                        .replace("parallelism_config_cp_size: 2", f"parallelism_config_cp_size: {cp}")
-                        .replace("parallelism_config_tp_size: 1", f"parallelism_config_tp_size: {tp}"))
-        configs[cp, tp] = str(path)
     config = tiny_text_config()
     heads, k, v = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     seen = {}
-    for (cp, tp), backend, want in (((2, 1), "nccl", "allgather"), ((2, 1), "gloo", "scan"), ((8, 1), "nccl", "scan"),
-                                    ((8, 2), "nccl", "scan")):
-        cp_plan = cli("plan", "--model", "tiny", "--config", configs[cp, tp], "--seq-len", "1024",
-                      "--backend", backend)["context_parallel"]
+    for cp, tp, backend, want in ((2, 1, "nccl", "allgather"), (2, 1, "gloo", "scan"), (8, 1, "nccl", "scan"),
+                                  (8, 2, "nccl", "scan")):
+        cp_plan = _cp_comm(config, cp, tp, 1024, 4, "auto", backend)
         assert (cp_plan["backend"], cp_plan["state_exchange"]) == (backend, want), cp_plan
         formula = exchange_bytes(want, cp, heads // tp, k, v)
         assert cp_plan["state_exchange_bytes_per_rank"] == formula["forward"] > 0
@@ -76,10 +68,17 @@ def test_plan_reports_the_state_exchange_the_run_takes(tmp_path):
         seen[cp, tp, backend] = cp_plan
     assert seen[8, 2, "nccl"]["state_exchange_bytes_per_rank"] * 2 == seen[8, 1, "nccl"]["state_exchange_bytes_per_rank"]
     assert seen[8, 2, "nccl"]["full_attention_bytes_per_rank"] * 2 == seen[8, 1, "nccl"]["full_attention_bytes_per_rank"]
-    forced = cli("plan", "--model", "tiny", "--config", configs[8, 1], "--seq-len", "1024",
-                 env={"QWEN35_ACCEL_CP_STATE_EXCHANGE": "allgather"})["context_parallel"]
-    assert forced["state_exchange"] == "allgather"
-    assert forced["state_exchange_bytes_per_rank"] == exchange_bytes("allgather", 8, heads, k, v)["forward"]
+
+    # Through the command: the config's cp and tp, --backend, and the setting a run would read.
+    text = (CONFIGS / "cpu_fsdp2_cp2.yaml").read_text()
+    path = tmp_path / "cp8_tp2.yaml"
+    path.write_text(text.replace("num_processes: 2", "num_processes: 16").replace("parallelism_config_cp_size: 2", "parallelism_config_cp_size: 8")
+                    .replace("parallelism_config_tp_size: 1", "parallelism_config_tp_size: 2"))
+    assert cli("plan", "--model", "tiny", "--config", str(path), "--seq-len", "1024")["context_parallel"] == seen[8, 2, "nccl"]
+    forced = cli("plan", "--model", "tiny", "--config", str(CONFIGS / "cpu_fsdp2_cp2.yaml"), "--seq-len", "1024",
+                 "--backend", "gloo", env={"QWEN35_ACCEL_CP_STATE_EXCHANGE": "allgather"})["context_parallel"]
+    assert forced["state_exchange"] == "allgather" and forced["state_exchange_reason"] == "QWEN35_ACCEL_CP_STATE_EXCHANGE"
+    assert forced["state_exchange_bytes_per_rank"] == exchange_bytes("allgather", 2, heads, k, v)["forward"]
 
 
 def test_plan_27b_config_on_meta_adds_up_to_the_model(tmp_path):

@@ -69,4 +69,3 @@ def select_conv_kernel(device: torch.device) -> ConvKernel:
     if device.type == "cuda" and (kernel := causal_conv1d_kernel()) is not None:
         return kernel
     return torch_conv_kernel
-

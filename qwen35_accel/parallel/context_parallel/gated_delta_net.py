@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
-from ...ops.documents import per_document_with_state
 from ...ops.causal_conv import ConvKernel, select_conv_kernel, torch_conv_kernel
+from ...ops.documents import per_document_with_state
 from ...ops.gated_delta import Kernel, chunk_summary, read_state, select_kernel
 from .collectives import all_gather_with_grad
 from .documents import DOCUMENTS_KWARG, ShardedDocuments

@@ -6,6 +6,7 @@ with a `ref_model` (tests/scripts/trl_dpo.py) and a custom loop's
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -66,12 +67,14 @@ def test_dpo_trainer_under_context_parallelism_is_refused_on_every_rank(tmp_path
         assert f"[rank{rank}]: NotImplementedError: TRL's DPOTrainer under context parallelism (cp_size=2)" in result.stderr, describe(result)
 
 
-def test_grpo_trainer_reference_model_gets_our_units_and_cp_is_refused(tmp_path):
+def test_grpo_trainer_reference_model_gets_our_units_and_cp_and_tp_are_refused(tmp_path):
     """GRPO samples its completions, so runs over different process counts draw different
     ones (no one-process oracle per step); what is checked: the reference model TRL loads
     is prepared by qwen35_accel (stock TRL: one fully_shard over the whole model), it
     computes exactly the policy's log-probabilities before the first update (KL 0 in
-    fp32), the policy then moves away from it, and CP is refused on every rank."""
+    fp32), the policy then moves away from it; CP is refused on every rank, and so is TP
+    (TRL seeds every process differently, so the ranks of a tp group would sample
+    different completions: silently wrong logits otherwise)."""
     script = REPO / "tests" / "scripts" / "trl_grpo.py"
     out = tmp_path / "fsdp2"
     stderr = _run(accelerate_launch_command("cpu_fsdp2.yaml", script, str(out), "2"))
@@ -83,6 +86,15 @@ def test_grpo_trainer_reference_model_gets_our_units_and_cp_is_refused(tmp_path)
     assert result.returncode != 0 and not result.leftover_processes, describe(result)
     for rank in (0, 1):
         assert f"[rank{rank}]: NotImplementedError: TRL's GRPOTrainer under context parallelism (cp_size=2)" in result.stderr, describe(result)
+    result = run_launch(accelerate_launch_command("cpu_fsdp2_tp2.yaml", script, str(tmp_path / "tp2"), "2"))
+    assert result.returncode != 0 and not result.leftover_processes, describe(result)
+    # Every rank refuses (the same condition everywhere); the launcher may stop the others
+    # before they print, so: at least one report, and every report is this refusal.
+    reports = re.findall(r"\[rank\d\]: (\w+(?:Error|Exception)): (.*)", result.stderr)
+    assert reports and all(
+        kind == "NotImplementedError" and text.startswith("TRL's GRPOTrainer under tensor parallelism (tp_size=2)")
+        for kind, text in reports
+    ), describe(result)
 
 
 @pytest.mark.parametrize("config", ["cpu_fsdp2.yaml", "cpu_fsdp2_cp2.yaml"], ids=["fsdp2", "cp2"])

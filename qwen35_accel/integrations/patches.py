@@ -133,7 +133,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "transformers.trainer", "Trainer._prepare_context_parallel_inputs", step_hooks.prepare_context_parallel_inputs,
         TRANSFORMERS,
         "dense Qwen3.5 under cp > 1: the batch is right-padded to a multiple of 2*cp first (padding-free collators "
-        "make rows of any length; stock leaves that to the collator); TRL's log-probability trainers refused",
+        "make rows of any length; stock leaves that to the collator); TRL's log-probability trainers refused under "
+        "cp, its sampling trainers under tp",
     ),
     PatchPoint(
         "transformers.trainer", "Trainer.evaluation_loop", evaluation.evaluation_loop, TRANSFORMERS,

@@ -10,7 +10,13 @@ from typing import Any
 
 import torch
 
-from .several_models import trl_logprob_trainer, trl_under_cp_error
+from .several_models import (
+    TRL_LOGPROB_TRAINERS,
+    TRL_SAMPLING_TRAINERS,
+    trl_trainer,
+    trl_under_cp_error,
+    trl_under_tp_error,
+)
 
 
 def maybe_context_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -41,13 +47,21 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
     any length; only here are the keys, and so each buffer's pad value, known). TRL's
     log-probability trainers (DPO, GRPO, RLOO, KTO) are refused here on every rank: they
     would compute sequence log-probabilities from this rank's chunks (with a reference
-    model they are refused earlier, when TRL prepares it)."""
+    model they are refused earlier, when TRL prepares it); TRL's sampling trainers (GRPO,
+    RLOO) under tp > 1 too, before they generate: every process samples its own completions,
+    so the ranks of a tp group would see different tokens."""
 
     @functools.wraps(original)
     def wrapper(self: Any, model: Any, inputs: dict[str, Any]) -> Any:
-        cp_mesh = getattr(getattr(self, "accelerator", None), "_qwen35_cp_mesh", None)
-        if cp_mesh is not None and (trainer := trl_logprob_trainer(self)) is not None:
+        accelerator = getattr(self, "accelerator", None)
+        cp_mesh = getattr(accelerator, "_qwen35_cp_mesh", None)
+        if cp_mesh is not None and (trainer := trl_trainer(self, TRL_LOGPROB_TRAINERS)) is not None:
             raise trl_under_cp_error(trainer, cp_mesh.size())
+        tp_size = getattr(getattr(accelerator, "parallelism_config", None), "tp_size", 1) or 1
+        if tp_size > 1 and (trainer := trl_trainer(self, TRL_SAMPLING_TRAINERS)) is not None and any(
+            getattr(m, "_qwen35_accel_prepared", False) for m in getattr(accelerator, "_models", [])
+        ):
+            raise trl_under_tp_error(trainer, tp_size)
         if cp_mesh is not None and isinstance(inputs, Mapping) and (  # collators may return a BatchEncoding
             inputs.get("input_ids") is not None or inputs.get("inputs_embeds") is not None
         ):

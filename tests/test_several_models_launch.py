@@ -39,17 +39,23 @@ def _dpo_history(out: Path) -> dict[str, torch.Tensor]:
     return {key: torch.tensor([e[key] for e in logged]) for key in keys}
 
 
-def test_dpo_trainer_with_a_reference_model_under_fsdp2_matches_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def dpo_one_process(tmp_path_factory) -> dict[str, torch.Tensor]:
+    single = tmp_path_factory.mktemp("dpo") / "single"
+    _run([sys.executable, str(REPO / "tests" / "scripts" / "trl_dpo.py"), str(single), "4"])  # = the launches' global batch
+    return _dpo_history(single)
+
+
+@pytest.mark.parametrize("config", ["cpu_fsdp2.yaml", "cpu_fsdp2_tp2.yaml"], ids=["fsdp2", "dp2xtp2"])
+def test_dpo_trainer_with_a_reference_model_matches_one_process(tmp_path, config, dpo_one_process):
     script = REPO / "tests" / "scripts" / "trl_dpo.py"
-    single = tmp_path / "single"
-    _run([sys.executable, str(script), str(single), "4"])  # per-device 4 = the launch's global batch
-    out = tmp_path / "fsdp2"
-    stderr = _run(accelerate_launch_command("cpu_fsdp2.yaml", script, str(out), "2"))
+    out = tmp_path / "run"
+    stderr = _run(accelerate_launch_command(config, script, str(out), "2"))
     assert stderr.count(PREPARED) == 2, "the reference model did not get qwen35_accel's units"
-    got, want = _dpo_history(out), _dpo_history(single)
+    got, want = _dpo_history(out), dpo_one_process
     assert got["rewards/chosen"][1:].abs().max() > 0  # the policy moved away from the reference
     for key in want:
-        # fp32 rtol 1e-5: FSDP2's reduction order (atol for the first step's zero rewards).
+        # fp32 rtol 1e-5: FSDP2's (and tp's) reduction order (atol for the first step's zero rewards).
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-7, msg=lambda m, key=key: f"{key}: {m}")
 
 

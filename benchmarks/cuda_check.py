@@ -171,14 +171,17 @@ def check_cp_kernels(device: str, smoke: bool = False) -> dict:
     kernel = select_kernel(torch.device(device))
     result: dict = {"rule_kernel": f"{kernel.__module__}.{kernel.__name__}"}
     runs = []
-    for k in (kernel, torch_kernel()):
-        leaves = [t.to(device).requires_grad_(True) for t in inputs]
-        parts = chunk_summary(*leaves, kernel=k)
+    # The chosen kernel on fp32 inputs (what the CP layer passes) and on bf16 q/k/v (what the
+    # non-CP path hands FLA under bf16 compute), each against the torch kernel in fp32.
+    for k, dtype in ((kernel, torch.float32), (kernel, torch.bfloat16), (torch_kernel(), torch.float32)):
+        leaves = [t.to(device, copy=True).requires_grad_(True) for t in inputs]  # fresh leaves per run
+        parts = chunk_summary(*leaves, kernel=k, input_dtype=dtype)
         sum(p.float().square().mean() for p in parts).backward()
         runs.append(([p.detach() for p in parts], [t.grad for t in leaves]))
-    for name, mine, ref in zip(("o0", "w", "M", "U"), runs[0][0], runs[1][0]):
-        result[f"summary_{name}_rel_err"] = _rel(mine, ref)
-    result["summary_max_grad_rel_err"] = max(_rel(a, r) for a, r in zip(runs[0][1], runs[1][1]))
+    for tag, run in (("summary", runs[0]), ("summary_bf16_inputs", runs[1])):
+        for name, mine, ref in zip(("o0", "w", "M", "U"), run[0], runs[2][0]):
+            result[f"{tag}_{name}_rel_err"] = _rel(mine, ref)
+        result[f"{tag}_max_grad_rel_err"] = max(_rel(a, r) for a, r in zip(run[1], runs[2][1]))
 
     conv = select_conv_kernel(torch.device(device))
     result["conv_kernel"] = f"{conv.__module__}.{conv.__name__}"

@@ -68,13 +68,17 @@ def chunk_summary(
     *,
     use_qk_l2norm: bool = True,
     kernel: Kernel | None = None,
+    input_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Affine summary of one chunk of the gated delta rule, all in fp32.
+    """Affine summary of one chunk of the gated delta rule, in fp32.
 
     Args: `query`, `key` [batch, seq, k_heads, k_dim]; `value` [batch, seq, v_heads, v_dim]
     (v_heads a multiple of k_heads: GQA); `g` (log decay, ≤ 0) and `beta`
-    [batch, seq, v_heads]. Any float dtype; computed in fp32. `kernel` (see `Kernel`;
-    default `torch_kernel()`) runs once, on values `[v | 0]` from the state `[0 | I]`.
+    [batch, seq, v_heads]. Any float dtype. `kernel` (see `Kernel`; default
+    `torch_kernel()`) runs once, on values `[v | 0]` from the state `[0 | I]`; it gets
+    query, key and values in `input_dtype` (fp32 by default; the torch kernel computes in
+    fp32 whatever it gets, FLA's in its inputs' dtype with fp32 accumulation), `g`, `beta`
+    and the state in fp32.
     Returns `(o0, w, M, U)`: o0 [batch, seq, v_heads, v_dim], w [batch, seq, v_heads,
     k_dim], M [batch, v_heads, k_dim, k_dim], U [batch, v_heads, k_dim, v_dim].
     """
@@ -83,12 +87,12 @@ def chunk_summary(
     k_dim = key.shape[-1]
     f32 = torch.float32
     zeros_v = value.new_zeros(*value.shape[:-1], k_dim, dtype=f32)
-    augmented_value = torch.cat([value.to(f32), zeros_v], dim=-1)
+    augmented_value = torch.cat([value.to(f32), zeros_v], dim=-1).to(input_dtype)
     eye = torch.eye(k_dim, dtype=f32, device=value.device).expand(batch, v_heads, k_dim, k_dim)
     initial = torch.cat([value.new_zeros(batch, v_heads, k_dim, v_dim, dtype=f32), eye], dim=-1)
     out, final = kernel(
-        query.to(f32),
-        key.to(f32),
+        query.to(input_dtype),
+        key.to(input_dtype),
         augmented_value,
         g=g.to(f32),
         beta=beta.to(f32),
@@ -96,8 +100,8 @@ def chunk_summary(
         output_final_state=True,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
     )
-    o0, w = out.split([v_dim, k_dim], dim=-1)
-    U, M = final.split([v_dim, k_dim], dim=-1)
+    o0, w = out.float().split([v_dim, k_dim], dim=-1)
+    U, M = final.float().split([v_dim, k_dim], dim=-1)
     return o0, w, M, U
 
 

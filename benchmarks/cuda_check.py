@@ -20,7 +20,8 @@ Checks:
    gradient), through the varlen kernels when causal-conv1d / FLA are installed;
 7. the CP kernel interfaces: the kernels chosen for the device (FLA's chunk rule,
    causal-conv1d's conv when installed) against the torch kernels, outputs and input
-   gradients (a chunk summary; the halo conv on channel-last bf16 input, with seq_idx).
+   gradients (a chunk summary from fp32 and from bf16 q/k/v; the halo conv on channel-last
+   bf16 input, with seq_idx).
 Writes `cuda_check.json` (all numbers, and under "run" the date, versions, machine and load
 average before / after) to --out and prints a summary. `--smoke` (tiny shapes; `--device cpu`
 on a machine without a GPU) runs checks 1-4 and tp 2 in one 2-rank world, leaves out the

@@ -161,7 +161,7 @@ def check_cp_kernels(device: str, smoke: bool = False) -> dict:
     """The kernels a CP GatedDeltaNet layer chooses on `device` against the torch kernels."""
     from qwen35_accel.ops.causal_conv import select_conv_kernel, torch_conv_kernel
     from qwen35_accel.ops.gated_delta import chunk_summary, select_kernel, torch_kernel
-    from qwen35_accel.parallel.context_parallel.gated_delta_net import _documents_seq_idx
+    from qwen35_accel.parallel.context_parallel.documents import conv_seq_idx
 
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cpu").manual_seed(3)
@@ -192,7 +192,7 @@ def check_cp_kernels(device: str, smoke: bool = False) -> dict:
     weight = torch.randn(channels, taps, generator=gen).to(device, torch.bfloat16)
     bias = torch.randn(channels, generator=gen).to(device, torch.bfloat16)
     for packed in (False, True):
-        seq_idx = _documents_seq_idx(offsets, halo) if packed else None
+        seq_idx = conv_seq_idx(offsets, halo) if packed else None
         runs = []
         for k in (conv, torch_conv_kernel):
             leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]

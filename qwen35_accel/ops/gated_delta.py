@@ -86,8 +86,8 @@ def chunk_summary(
     batch, _, v_heads, v_dim = value.shape
     k_dim = key.shape[-1]
     f32 = torch.float32
-    zeros_v = value.new_zeros(*value.shape[:-1], k_dim, dtype=f32)
-    augmented_value = torch.cat([value.to(f32), zeros_v], dim=-1).to(input_dtype)
+    zeros_v = value.new_zeros(*value.shape[:-1], k_dim, dtype=input_dtype)
+    augmented_value = torch.cat([value.to(input_dtype), zeros_v], dim=-1)
     eye = torch.eye(k_dim, dtype=f32, device=value.device).expand(batch, v_heads, k_dim, k_dim)
     initial = torch.cat([value.new_zeros(batch, v_heads, k_dim, v_dim, dtype=f32), eye], dim=-1)
     out, final = kernel(

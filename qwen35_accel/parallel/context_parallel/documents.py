@@ -35,15 +35,25 @@ class ShardedDocuments:
     index: torch.Tensor
     doc_start: torch.Tensor
 
-    @property
+    # Made once per forward and read by every layer, so the derived tensors are cached.
+    @functools.cached_property
     def offsets(self) -> torch.Tensor:
         """[batch, local_seq] long: tokens since the document's start (0 at a start)."""
         return self.index[None, :] - self.doc_start
 
-    @property
+    @functools.cached_property
     def starts(self) -> torch.Tensor:
         """[batch, local_seq] bool: the token starts a document."""
         return self.offsets == 0
+
+    def conv_seq_idx(self, halo: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per local chunk, causal-conv1d's `seq_idx` for its conv input `[halo | chunk]`
+        (`conv_seq_idx` below), made once per forward for all GatedDeltaNet layers."""
+        cache = self.__dict__.setdefault("_conv_seq_idx", {})  # a frozen dataclass: no attribute assignment
+        if halo not in cache:
+            first, second = self.offsets.chunk(2, dim=1)
+            cache[halo] = (conv_seq_idx(first, halo), conv_seq_idx(second, halo))
+        return cache[halo]
 
     @functools.cached_property
     def first_keys(self) -> tuple[int, int]:
@@ -65,6 +75,21 @@ class ShardedDocuments:
         offsets = torch.nonzero(flat).flatten()
         cu = torch.cat([offsets, offsets.new_tensor([flat.numel()])])
         return flat.long().cumsum(0).view(cuts.shape) - 1, cu
+
+
+def conv_seq_idx(offsets: torch.Tensor, halo: int) -> torch.Tensor:
+    """causal-conv1d's `seq_idx` [batch, halo + n] int32 for a chunk's conv input `[halo | chunk]`.
+
+    `offsets` [batch, n]: each chunk token's distance from its document's start. Chunk
+    tokens are numbered 1 + (document starts so far in the chunk); a halo token d places
+    before the chunk shares the first token's document (index 1) when d ≤ offsets[:, 0],
+    else gets 0. So every window stops at its token's document start: exactly each
+    document convolved alone with zeros before it.
+    """
+    chunk = 1 + (offsets == 0).long().cumsum(dim=1)
+    distance = torch.arange(halo, 0, -1, device=offsets.device)  # halo, ..., 1
+    before = (distance[None, :] <= offsets[:, :1]).long()
+    return torch.cat([before, chunk], dim=1).to(torch.int32).contiguous()
 
 
 def shard_documents(starts: torch.Tensor, cp: int, rank: int) -> ShardedDocuments:

@@ -110,21 +110,6 @@ def _cp_packed_gated_delta_rule(
     return torch.cat(outputs, dim=1).to(value.dtype)
 
 
-def _documents_seq_idx(offsets: torch.Tensor, halo: int) -> torch.Tensor:
-    """causal-conv1d's `seq_idx` [batch, halo + n] int32 for a chunk's conv input `[halo | chunk]`.
-
-    `offsets` [batch, n]: each chunk token's distance from its document's start. Chunk
-    tokens are numbered 1 + (document starts so far in the chunk); a halo token d places
-    before the chunk shares the first token's document (index 1) when d ≤ offsets[:, 0],
-    else gets 0. So every window stops at its token's document start: exactly each
-    document convolved alone with zeros before it.
-    """
-    chunk = 1 + (offsets == 0).long().cumsum(dim=1)
-    distance = torch.arange(halo, 0, -1, device=offsets.device)  # halo, ..., 1
-    before = (distance[None, :] <= offsets[:, :1]).long()
-    return torch.cat([before, chunk], dim=1).to(torch.int32).contiguous()
-
-
 def cp_causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -154,8 +139,8 @@ def cp_causal_conv1d(
     tail = min(chunks[0].shape[-1], halo)
     gathered = all_gather_with_grad(torch.stack([c[..., c.shape[-1] - tail :] for c in chunks]), group)
     outputs = []
-    offsets = documents.offsets.chunk(2, dim=1) if documents is not None else (None, None)
-    for chunk_index, chunk, offset in zip(rank_chunks(rank, cp), chunks, offsets):
+    seq_idxs = documents.conv_seq_idx(halo) if documents is not None else (None, None)
+    for chunk_index, chunk, seq_idx in zip(rank_chunks(rank, cp), chunks, seq_idxs):
         # The halo: the last `halo` inputs of everything before this chunk; chunks shorter
         # than the halo need several predecessors.
         needed = -(-halo // tail) if tail else 0
@@ -163,7 +148,6 @@ def cp_causal_conv1d(
         context = torch.cat([x.new_zeros(*x.shape[:-1], halo), *before], dim=-1)[..., -halo:] if halo else x[..., :0]
         # Channel-last (stride 1 along channels), the layout causal-conv1d needs for seq_idx.
         padded = torch.cat([context.transpose(1, 2), chunk.transpose(1, 2)], dim=1).transpose(1, 2).to(weight.dtype)
-        seq_idx = None if offset is None else _documents_seq_idx(offset, halo)
         out = kernel(padded, weight, bias, seq_idx=seq_idx, activation=activation)
         outputs.append(out[..., halo:].to(x.dtype))
     return torch.cat(outputs, dim=-1)

@@ -125,7 +125,7 @@ def exchange_bytes(exchange: str, cp: int, heads: int, k_dim: int, v_dim: int) -
     if exchange != "scan":
         raise ValueError(f"exchange {exchange!r}: pass 'allgather' or 'scan' (resolve 'auto' with resolve_exchange)")
     fwd, bwd, kept = [0] * cp, [0] * cp, [0] * cp
-    for round_index, messages in enumerate(scan_rounds(cp) if cp > 1 else []):
+    for round_index, messages in enumerate(scan_rounds(cp)):
         for src, dst, u_only in messages:
             size = f * heads * k_dim * (v_dim if u_only else k_dim + v_dim)
             src_rank, dst_rank = chunk_owner(src, cp)[0], chunk_owner(dst, cp)[0]

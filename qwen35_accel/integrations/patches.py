@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import checkpoints, cpu_backend, evaluation, preparation, several_models, step_hooks
+from . import checkpoints, cpu_backend, evaluation, preparation, several_models, step_hooks, trl_fused_head
 from .settings import PluginSettings
 
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -159,6 +159,16 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         )
         for module, trainer in (("dpo_trainer", "DPOTrainer"), ("grpo_trainer", "GRPOTrainer"),
                                 ("rloo_trainer", "RLOOTrainer"), ("kto_trainer", "KTOTrainer"))
+    ),
+    *(
+        PatchPoint(
+            f"trl.trainer.{module}", "add_fused_lm_head", trl_fused_head.trl_add_fused_lm_head, TRL,
+            f"{trainer}'s fused LM head on a dense Qwen3.5 model with a vocab-parallel lm_head: per-token log-probs, "
+            "entropy and top-1 over the whole vocabulary (stock TRL: over this rank's vocab slice)",
+        )
+        for module, trainer in (("sft_trainer", "SFTTrainer"), ("dpo_trainer", "DPOTrainer"),
+                                ("grpo_trainer", "GRPOTrainer"), ("rloo_trainer", "RLOOTrainer"),
+                                ("kto_trainer", "KTOTrainer"))
     ),
 )
 

@@ -116,6 +116,11 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
     mesh = _fsdp_mesh(accelerator)
     offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
     tensor_parallel = mesh_dim_size(mesh, "tp") > 1
+    if tensor_parallel and settings.vocab_parallel_lm_head:
+        from ..model.detect import unwrap_qwen35
+        from .trl_fused_head import check_no_unwrapped_trl_head
+
+        check_no_unwrapped_trl_head(unwrap_qwen35(model))
     if ram_efficient and tensor_parallel and offload:
         raise NotImplementedError(
             "fsdp_cpu_ram_efficient_loading with tensor parallelism and fsdp_offload_params is not supported for "

@@ -1,0 +1,157 @@
+"""TRL's fused LM head (`add_fused_lm_head`) over a vocab-parallel lm_head: exact, never per slice.
+
+TRL 1.16's trainers (SFT, DPO, GRPO, RLOO, KTO) patch the model's forward so that
+`model(..., fused_lm_head=True)` runs the backbone and projects the labelled positions through
+`get_output_embeddings()` in tiles, returning per-token log-probabilities (and entropy, top-1,
+...) instead of logits. With qwen35_accel's vocab-parallel lm_head that weight is this rank's
+V / tp rows, so TRL would normalise over a slice of the vocabulary (log 160 instead of log 320
+at init) and leave the hidden states' gradient without the other slices' share: a wrong loss,
+silently. The patch point below wraps `add_fused_lm_head` as each TRL trainer module imports
+it: TRL's head is installed as usual, and at call time a model whose lm_head is
+vocab-parallel computes the same outputs with `linear_token_stats`, which combines the vocab
+slices over the tp group. Every other model runs TRL's head unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..parallel.losses import IGNORE_INDEX, VOCAB_GROUP_ATTR
+from ..parallel.tiled_head import linear_token_stats
+
+FUSED_HEAD_ATTR = "_qwen35_accel_fused_head"  # marks the forward this module installed
+# Text-config attributes by which TRL's head rescales the logits; Qwen3.5 sets none of them.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+
+
+def is_trl_fused_forward(forward: Any) -> bool:
+    """Whether `forward` (an instance's bound forward) is TRL's fused-head forward."""
+    # TRL decorates it with `functools.wraps(type(model).forward)`: only its code object tells.
+    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+    return code is not None and code.co_name == "_fused_forward" and code.co_filename.replace("\\", "/").endswith(
+        "trl/trainer/utils.py"
+    )
+
+
+def check_no_unwrapped_trl_head(model: nn.Module) -> None:
+    """NotImplementedError if `model` carries TRL's fused head without qwen35_accel's wrapper
+    (added by a TRL module the plugin does not patch): with a vocab-parallel lm_head it would
+    normalise over this rank's vocab slice."""
+    forward = model.__dict__.get("forward")
+    if forward is not None and is_trl_fused_forward(forward) and not getattr(forward, FUSED_HEAD_ATTR, False):
+        raise NotImplementedError(
+            "this model's forward is TRL's fused LM head (add_fused_lm_head) from a trainer qwen35_accel does not patch; "
+            "with QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD=1 it would compute log-probabilities over this rank's slice of "
+            "the vocabulary (a wrong loss). Use SFTTrainer/DPOTrainer/GRPOTrainer/RLOOTrainer/KTOTrainer, or turn "
+            "vocab_parallel_lm_head off."
+        )
+
+
+def _vocab_parallel_fused_forward(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    num_items_in_batch: Any,
+    *,
+    temperature: float,
+    cast_lm_head_to_fp32: bool,
+    outputs: tuple[str, ...],
+) -> Any:
+    """TRL's `_fused_forward(fused_lm_head=True)` contract (see `trl.trainer.utils.add_fused_lm_head`)
+    for a vocab-parallel lm_head: every per-token field is the whole vocabulary's."""
+    from torch.distributed.tensor import DTensor
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    text_config = model.config.get_text_config()
+    present = [name for name in _LOGIT_TRANSFORMS if getattr(text_config, name, None) is not None]
+    if present:
+        raise NotImplementedError(f"TRL's fused head over a vocab-parallel lm_head does not rescale logits ({present})")
+    kwargs["use_cache"] = False
+    hidden_states = model.base_model(*args, **kwargs).last_hidden_state
+    if shift_labels is None:
+        hidden_states, labels = hidden_states[:, :-1], labels[:, 1:]
+    else:
+        labels = shift_labels
+    lm_head = model.get_output_embeddings()
+    weight, bias = lm_head.weight, lm_head.bias
+    if isinstance(weight, DTensor):  # an FSDP2 shard outside the tail unit's forward
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
+    labels = labels.to(weight.device)
+    mask = labels != IGNORE_INDEX
+    hidden_states = hidden_states.to(weight.device)
+    autocast = nullcontext()
+    if cast_lm_head_to_fp32:
+        hidden_states = hidden_states.float()
+        autocast = torch.autocast(hidden_states.device.type, enabled=False)
+    with autocast:
+        stats = linear_token_stats(
+            hidden_states[mask],
+            weight,
+            bias,
+            labels[mask],
+            group=getattr(model, VOCAB_GROUP_ATTR),
+            temperature=temperature,
+            outputs=tuple(name for name in outputs if name != "log_probs"),
+        )
+    # `masked_scatter` keeps an all-masked batch connected to the graph (a differentiable zero).
+    per_token = {
+        name: None if value is None else value.new_zeros(mask.shape).masked_scatter(mask, value)
+        for name, value in stats._asdict().items()
+    }
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return FusedCausalLMOutput(loss=-per_token["log_probs"].sum() / count, label_mask=mask, **per_token)
+
+
+def trl_add_fused_lm_head(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The wrapper of TRL's `add_fused_lm_head` as a trainer module imports it: TRL's head, and
+    for a model whose lm_head is (or becomes, at preparation) vocab-parallel, the exact
+    vocab-parallel head at call time."""
+
+    @functools.wraps(original)
+    def wrapper(
+        model: nn.Module,
+        temperature: float = 1.0,
+        cast_lm_head_to_fp32: bool = False,
+        outputs: tuple[str, ...] = ("log_probs",),
+    ) -> None:
+        from .targets import is_dense_qwen35_module
+
+        original(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=outputs)
+        if not is_dense_qwen35_module(model):
+            return
+        trl_forward = model.forward
+
+        @functools.wraps(type(model).forward)
+        def forward(
+            self: nn.Module,
+            *args: Any,
+            fused_lm_head: bool = False,
+            labels: torch.Tensor | None = None,
+            shift_labels: torch.Tensor | None = None,
+            num_items_in_batch: Any = None,
+            **kwargs: Any,
+        ) -> Any:
+            if fused_lm_head and getattr(self, VOCAB_GROUP_ATTR, None) is not None:
+                return _vocab_parallel_fused_forward(
+                    self, args, kwargs, labels, shift_labels, num_items_in_batch,
+                    temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=tuple(outputs),
+                )
+            return trl_forward(
+                *args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
+                num_items_in_batch=num_items_in_batch, **kwargs,
+            )
+
+        setattr(forward, FUSED_HEAD_ATTR, True)
+        model.forward = types.MethodType(forward, model)
+
+    return wrapper

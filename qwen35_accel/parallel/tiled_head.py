@@ -1,0 +1,224 @@
+"""The lm_head and next-token statistics in tiles of tokens: `[tokens, vocab]` never exists whole.
+
+At Qwen3.5's 248,320-token vocabulary one fp32 row of logits is ~970 KiB, more than the whole
+checkpointed decoder keeps per token. `linear_token_stats` projects `tile` tokens at a time
+through the lm_head, folds each tile into per-token statistics (log-sum-exp, the target's
+logit, optionally entropy, top-1, ...) and drops it; backward recomputes each tile and turns
+it into the gradients. Saved for backward: the hidden states, the targets and two fp32
+numbers per token.
+
+With a vocab-parallel lm_head (`group`: each rank holds rows `vocab_start : vocab_start + V/tp`
+of the weight) the per-token statistics are combined over the group (one max, one sum and,
+for top-1, one min all-reduce of [tokens] vectors per call; nothing of size vocab crosses
+ranks), and the hidden states' gradient is summed over the group in backward.
+
+Numerics follow Transformers' path: the logits are computed in the compute dtype (the inputs'
+dtype, or autocast's) and upcast to fp32, as `lm_head(hidden).float()` in its loss.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# Per-token outputs besides the target's log-probability, computed only when asked for.
+OPTIONAL_STATS: tuple[str, ...] = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+# One tile's fp32 logits take at most this many bytes (about 270 tokens at vocab 248,320).
+TILE_BYTES = 2**28
+
+
+def token_tile_size(local_vocab: int, tile_bytes: int = TILE_BYTES) -> int:
+    """Tokens per tile: the most, in multiples of 8 (at least 8), whose fp32 logits
+    `[tile, local_vocab]` fit in `tile_bytes`."""
+    if local_vocab <= 0 or tile_bytes <= 0:
+        raise ValueError(f"token_tile_size needs a positive vocab and byte budget; got {local_vocab}, {tile_bytes}")
+    return max(8, tile_bytes // (4 * local_vocab) // 8 * 8)
+
+
+class TokenStats(NamedTuple):
+    """Per-token statistics of the next-token distribution, each `[tokens]` (None if not asked for).
+
+    `log_probs` (fp32, differentiable): log-probability of the target; `entropy` (fp32,
+    differentiable); `log_sum_sq_probs` (fp32): log Σ p²; `mean_logits` (fp32): the mean
+    logit over the whole vocab; `is_top1` (bool): the target is the first index of the max.
+    """
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
+def _tile_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv_temperature: float
+) -> torch.Tensor:
+    """[tile, V_local] fp32 logits of `hidden` (already in the compute dtype) / temperature."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        z = F.linear(hidden, weight, bias).float()
+    return z if inv_temperature == 1.0 else z * inv_temperature
+
+
+class _LinearTokenStats(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        vocab_start: int,
+        vocab_size: int,
+        temperature: float,
+        tile: int,
+        outputs: tuple[str, ...],
+    ) -> tuple[torch.Tensor | None, ...]:
+        ctx.set_materialize_grads(False)
+        dtype = _compute_dtype(hidden)
+        h, w = hidden.to(dtype), weight.to(dtype)
+        b = bias.to(dtype) if bias is not None else None
+        n, local_vocab = h.shape[0], w.shape[0]
+        inv_t = 1.0 / temperature
+        f32 = dict(device=h.device, dtype=torch.float32)
+        local_max, sum_exp, target_logit = (torch.zeros(n, **f32) for _ in range(3))
+        extra = {name: torch.zeros(n, **f32) for name in ("entropy", "log_sum_sq_probs", "mean_logits") if name in outputs}
+        argmax = torch.zeros(n, device=h.device, dtype=torch.long) if "is_top1" in outputs else None
+        local_targets = targets - vocab_start
+        mine = (local_targets >= 0) & (local_targets < local_vocab)
+        local_targets = local_targets.clamp(0, local_vocab - 1)
+        for start in range(0, n, tile):
+            end = min(start + tile, n)
+            z = _tile_logits(h[start:end], w, b, inv_t)
+            top = z.max(dim=-1)
+            e = (z - top.values.unsqueeze(-1)).exp()
+            local_max[start:end] = top.values
+            sum_exp[start:end] = e.sum(dim=-1)
+            target_logit[start:end] = z.gather(1, local_targets[start:end, None]).squeeze(1)
+            if "entropy" in extra:  # Σ e·(z - max): no cancellation against a large max when H is small
+                extra["entropy"][start:end] = (e * (z - top.values.unsqueeze(-1))).sum(dim=-1)
+            if "log_sum_sq_probs" in extra:
+                extra["log_sum_sq_probs"][start:end] = (e * e).sum(dim=-1)
+            if "mean_logits" in extra:
+                extra["mean_logits"][start:end] = z.sum(dim=-1)
+            if argmax is not None:
+                argmax[start:end] = top.indices + vocab_start
+            del z, e
+        target_logit = target_logit * mine
+        row_max = local_max
+        if group is not None:
+            row_max = local_max.clone()
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            scale = (local_max - row_max).exp()
+            # Sums of e = exp(z - local max) move to the group's max M: Σ e by scale, Σ e² by
+            # scale², Σ e·(z - max) to scale·(Σ e·(z - max) + (max - M)·Σ e).
+            sums = {"sum_exp": sum_exp * scale, "target_logit": target_logit}
+            if "entropy" in extra:
+                sums["entropy"] = scale * (extra["entropy"] + (local_max - row_max) * sum_exp)
+            if "log_sum_sq_probs" in extra:
+                sums["log_sum_sq_probs"] = extra["log_sum_sq_probs"] * scale * scale
+            if "mean_logits" in extra:
+                sums["mean_logits"] = extra["mean_logits"]
+            stacked = torch.stack(list(sums.values()))
+            dist.all_reduce(stacked, group=group)
+            sums = dict(zip(sums, stacked.unbind(0)))
+            sum_exp, target_logit = sums.pop("sum_exp"), sums.pop("target_logit")
+            extra = sums
+            if argmax is not None:  # the first index of the global max: the smallest among ranks attaining it
+                argmax = torch.where(local_max == row_max, argmax, torch.full_like(argmax, vocab_size))
+                dist.all_reduce(argmax, op=dist.ReduceOp.MIN, group=group)
+        log_z = row_max + sum_exp.log()
+        log_probs = target_logit - log_z
+        entropy = sum_exp.log() - extra["entropy"] / sum_exp if "entropy" in extra else None
+        log_sum_sq = extra["log_sum_sq_probs"].log() - 2 * sum_exp.log() if "log_sum_sq_probs" in extra else None
+        mean_logits = extra["mean_logits"] / vocab_size if "mean_logits" in extra else None
+        is_top1 = argmax == targets if argmax is not None else None
+
+        ctx.save_for_backward(hidden, weight, bias, local_targets, mine, log_z, entropy)
+        ctx.group, ctx.dtype, ctx.inv_t, ctx.tile = group, dtype, inv_t, tile
+        ctx.mark_non_differentiable(*(x for x in (log_sum_sq, mean_logits, is_top1) if x is not None))
+        return log_probs, entropy, log_sum_sq, mean_logits, is_top1
+
+    @staticmethod
+    def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_: object):  # type: ignore[override]
+        hidden, weight, bias, local_targets, mine, log_z, entropy = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
+        b = bias.to(ctx.dtype) if bias is not None else None
+        n = h.shape[0]
+        grad_hidden = torch.zeros(h.shape, device=h.device, dtype=torch.float32) if need_hidden else None
+        grad_weight = torch.zeros(w.shape, device=w.device, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros(b.shape, device=b.device, dtype=torch.float32) if need_bias and b is not None else None
+        for start in range(0, n, ctx.tile):
+            end = min(start + ctx.tile, n)
+            z = _tile_logits(h[start:end], w, b, ctx.inv_t)
+            log_p = z - log_z[start:end, None]
+            p = log_p.exp()
+            g = torch.zeros_like(z)
+            if grad_log_probs is not None:  # d log p_target / dz_j = 1[j = target] - p_j
+                gl = grad_log_probs[start:end].float()
+                g -= gl[:, None] * p
+                g.scatter_add_(1, local_targets[start:end, None], (gl * mine[start:end])[:, None])
+            if grad_entropy is not None:  # d H / dz_j = -p_j (log p_j + H)
+                g -= grad_entropy[start:end].float()[:, None] * p * (log_p + entropy[start:end, None])
+            del z, log_p, p
+            if ctx.inv_t != 1.0:
+                g *= ctx.inv_t
+            if grad_hidden is not None:
+                grad_hidden[start:end] = torch.mm(g.to(w.dtype), w).float()
+            if grad_weight is not None:
+                grad_weight.addmm_(g.t(), h[start:end].float())
+            if grad_bias is not None:
+                grad_bias += g.sum(dim=0)
+        if grad_hidden is not None and ctx.group is not None:  # each rank's vocab slice contributes
+            dist.all_reduce(grad_hidden, group=ctx.group)
+        return (
+            grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_bias.to(bias.dtype) if grad_bias is not None else None,
+            *(None,) * 7,
+        )
+
+
+def linear_token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    outputs: tuple[str, ...] = (),
+    tile: int | None = None,
+) -> TokenStats:
+    """Next-token statistics of `hidden @ weight.T + bias` for every row, in tiles of `tile` tokens.
+
+    `hidden`: [N, H]; `weight`: [V_local, H] (the lm_head's rows this rank holds: all of them
+    without `group`, rank r's contiguous V/tp slice with it); `bias`: [V_local] or None;
+    `targets`: [N] int64 global vocab ids, every one valid (pass only labelled rows);
+    `outputs`: names from `OPTIONAL_STATS` to compute besides `log_probs`; `tile`: tokens per
+    tile (default `token_tile_size`). Collective over `group`: every rank passes the same
+    `hidden` and `targets`. Differentiable in `hidden`, `weight`, `bias` through `log_probs`
+    and `entropy`.
+    """
+    unknown = set(outputs) - set(OPTIONAL_STATS)
+    if unknown:
+        raise ValueError(f"unknown outputs {sorted(unknown)}; expected names from {OPTIONAL_STATS}")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"expected hidden [N, H] and targets [N]; got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+    local_vocab = weight.shape[0]
+    tp = 1 if group is None else dist.get_world_size(group)
+    vocab_start = 0 if group is None else dist.get_rank(group) * local_vocab
+    tile = tile or token_tile_size(local_vocab)
+    stats = _LinearTokenStats.apply(
+        hidden, weight, bias, targets, group, vocab_start, local_vocab * tp, temperature, tile, tuple(outputs)
+    )
+    return TokenStats(*stats)

@@ -1,0 +1,115 @@
+"""`linear_token_stats`: the lm_head and next-token statistics in tiles of tokens equal the
+same quantities computed from the whole `[tokens, vocab]` logits, in one process and with
+the lm_head split by vocab over a gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from qwen35_accel.parallel.tiled_head import OPTIONAL_STATS, linear_token_stats, token_tile_size
+from _dist import run_world
+
+N, H, V = 37, 16, 48  # 37 tokens: tiles of 8 leave a remainder
+
+
+def _problem(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g)
+    weight = torch.randn(V, H, generator=g) / H**0.5
+    bias = torch.randn(V, generator=g) * 0.1
+    targets = torch.randint(0, V, (N,), generator=g)
+    # Ties: make the target the max in some rows and a later index equal to it in one (not top-1
+    # then: the first index of the max wins), so is_top1 is tested on both sides.
+    weight[targets[:4]] = hidden[:4] * 3
+    return hidden, weight, bias, targets
+
+
+def _reference(hidden, weight, bias, targets, temperature):
+    z = F.linear(hidden, weight, bias).float() / temperature
+    log_p = z.log_softmax(-1)
+    p = log_p.exp()
+    return {
+        "log_probs": log_p.gather(1, targets[:, None]).squeeze(1),
+        "entropy": -(p * log_p).sum(-1),
+        "log_sum_sq_probs": (2 * log_p).logsumexp(-1),
+        "mean_logits": z.mean(-1),
+        "is_top1": z.argmax(-1) == targets,
+    }
+
+
+def _loss(stats) -> torch.Tensor:
+    # Both differentiable outputs with different weights, so each backward term is checked.
+    return -stats["log_probs"].sum() + 0.3 * stats["entropy"].sum()
+
+
+def _expected(temperature: float):
+    hidden, weight, bias, targets = _problem()
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    ref = _reference(*leaves, targets, temperature)
+    _loss(ref).backward()
+    return {k: v.detach() for k, v in ref.items()}, [t.grad for t in leaves]
+
+
+# fp32 rtol 1e-5: tiles and vocab slices sum the same terms in another order.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("tile", [8, 64])
+def test_tiled_stats_and_gradients_equal_whole_logits(tile, temperature):
+    want, want_grads = _expected(temperature)
+    hidden, weight, bias, targets = _problem()
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    stats = linear_token_stats(*leaves, targets, temperature=temperature, outputs=OPTIONAL_STATS, tile=tile)._asdict()
+    for name, value in want.items():
+        if name == "is_top1":
+            assert torch.equal(stats[name], value) and value[:4].any() and not value.all()
+        else:
+            torch.testing.assert_close(stats[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    _loss(stats).backward()
+    for leaf, grad, name in zip(leaves, want_grads, ("hidden", "weight", "bias")):
+        torch.testing.assert_close(leaf.grad, grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+def test_only_requested_outputs_are_computed_and_backward_needs_no_entropy():
+    hidden, weight, bias, targets = _problem()
+    hidden.requires_grad_()
+    stats = linear_token_stats(hidden, weight, bias, targets, tile=8)
+    assert stats.entropy is None and stats.is_top1 is None
+    (-stats.log_probs.sum()).backward()
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+    with pytest.raises(ValueError, match="unknown outputs"):
+        linear_token_stats(hidden, weight, bias, targets, outputs=("logits",))
+
+
+def test_tile_size_bounds_one_tiles_fp32_logits():
+    assert token_tile_size(248_320) == 264  # 2**28 bytes / (4 * 248,320) = 270, multiple of 8
+    assert token_tile_size(248_320 // 8) * 4 * (248_320 // 8) <= 2**28
+    assert token_tile_size(10**9) == 8
+
+
+def _vocab_parallel_worker(rank: int, world: int, temperature: float) -> None:
+    torch.manual_seed(0)
+    want, want_grads = _expected(temperature)
+    hidden, weight, bias, targets = _problem()
+    rows = slice(rank * V // world, (rank + 1) * V // world)
+    leaves = [hidden.clone().requires_grad_(), weight[rows].clone().requires_grad_(), bias[rows].clone().requires_grad_()]
+    stats = linear_token_stats(
+        *leaves, targets, group=dist.group.WORLD, temperature=temperature, outputs=OPTIONAL_STATS, tile=8
+    )._asdict()
+    for name, value in want.items():
+        if name == "is_top1":
+            assert torch.equal(stats[name], value), name
+        else:
+            torch.testing.assert_close(stats[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    _loss(stats).backward()
+    for leaf, grad, name in zip(leaves, (want_grads[0], want_grads[1][rows], want_grads[2][rows]), ("hidden", "weight", "bias")):
+        torch.testing.assert_close(leaf.grad, grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"rank {rank} grad {n}: {m}")
+
+
+@pytest.mark.multiprocess
+def test_vocab_parallel_stats_and_gradients_equal_whole_logits():
+    run_world(_vocab_parallel_worker, 2, 0.7)

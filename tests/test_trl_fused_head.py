@@ -80,3 +80,25 @@ def _worker(rank: int, world: int, cp: int, temperature: float) -> None:
 @pytest.mark.parametrize("world,cp", [(2, 1), (4, 2)], ids=["tp2", "cp2xtp2"])
 def test_trl_fused_head_over_vocab_parallel_lm_head_equals_one_process(world, cp):
     run_world(_worker, world, cp, 0.8)
+
+
+@pytest.mark.slow
+def test_losses_from_vocab_sliced_logits_are_refused_on_every_rank(tmp_path):
+    """Label smoothing (or a compute_loss_func) computes the loss from `outputs.logits`, which
+    with a vocab-parallel lm_head hold this rank's vocab slice: refused at the first step."""
+    import re
+
+    from qwen35_accel.testing.launch import RECIPE, accelerate_launch_command, describe, run_launch
+
+    result = run_launch(
+        accelerate_launch_command(
+            "cpu_fsdp2_tp2.yaml", RECIPE, "--output_dir", str(tmp_path), "--max_steps", "2", "--label_smoothing_factor", "0.1"
+        ),
+        env={"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"},
+    )
+    assert result.returncode != 0 and not result.leftover_processes, describe(result)
+    reports = re.findall(r"\[rank\d\]: (\w+(?:Error|Exception)): (.*)", result.stderr)
+    assert reports and all(
+        kind == "NotImplementedError" and text.startswith("label smoothing (label_smoothing_factor > 0) computes the loss")
+        for kind, text in reports
+    ), describe(result)

@@ -62,6 +62,7 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
             getattr(m, "_qwen35_accel_prepared", False) for m in getattr(accelerator, "_models", [])
         ):
             raise trl_under_tp_error(trainer, tp_size)
+        _refuse_logits_consumers_of_vocab_slices(self, accelerator)
         if cp_mesh is not None and isinstance(inputs, Mapping) and (  # collators may return a BatchEncoding
             inputs.get("input_ids") is not None or inputs.get("inputs_embeds") is not None
         ):
@@ -71,6 +72,33 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
         return original(self, model, inputs)
 
     return wrapper
+
+
+def _refuse_logits_consumers_of_vocab_slices(trainer: Any, accelerator: Any) -> None:
+    """NotImplementedError (every rank, each step) when the Trainer would compute its loss from
+    `outputs.logits` of a model whose lm_head is vocab-parallel: those logits are this rank's
+    vocab slice, so label smoothing or a `compute_loss_func` would see a part of the vocabulary."""
+    from ..parallel.losses import VOCAB_GROUP_ATTR
+
+    users = [
+        what
+        for what, present in (
+            ("label smoothing (label_smoothing_factor > 0)", getattr(trainer, "label_smoother", None) is not None),
+            ("a compute_loss_func", getattr(trainer, "compute_loss_func", None) is not None),
+        )
+        if present
+    ]
+    if not users:
+        return
+    from ..model.detect import unwrap_qwen35
+
+    for model in getattr(accelerator, "_models", []):
+        if getattr(model, "_qwen35_accel_prepared", False) and getattr(unwrap_qwen35(model), VOCAB_GROUP_ATTR, None):
+            raise NotImplementedError(
+                f"{' and '.join(users)} computes the loss from the model's logits, which with "
+                "QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD=1 hold this rank's slice of the vocabulary (a wrong loss). "
+                "Turn vocab_parallel_lm_head off, or drop the label smoothing / compute_loss_func."
+            )
 
 
 def clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:

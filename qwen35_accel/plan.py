@@ -52,7 +52,7 @@ def _sizes(cluster: Any) -> dict[str, int]:
 
 def _model_config(model: str) -> Any:
     if model == "tiny":
-        from .testing.tiny import tiny_text_config
+        from .model.tiny import tiny_text_config
 
         return tiny_text_config()
     from transformers import AutoConfig

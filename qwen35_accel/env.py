@@ -28,7 +28,7 @@ def env() -> dict[str, Any]:
         settings = f"invalid: {exc}"
     import accelerate  # noqa: F401  (the autoload patches on this import)
 
-    from .integrations.patches import status
+    from .integrations.accelerate import status
 
     return {
         "qwen35_accel": __version__,

@@ -138,7 +138,7 @@ class AllGatherHiddenGatedDeltaNet(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        from qwen35_accel.parallel.context_parallel.collectives import (
+        from qwen35_accel.parallel.collectives import (
             all_gather_with_grad,
         )
         from qwen35_accel.parallel.context_parallel.layout import (

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .model.packing import DocumentLayout, document_layout, layout_from_starts
-from .parallel.context_parallel.collectives import all_gather_with_grad
+from .parallel.collectives import all_gather_with_grad
 from .parallel.context_parallel.layout import check_divisible, pad_for_context_parallel, shard_sequence, unshard_sequence
 
 IGNORE_INDEX = -100

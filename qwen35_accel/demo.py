@@ -32,7 +32,7 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
 
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.parallel.fsdp import describe_units
-    from qwen35_accel.testing.tiny import build_tiny_causal_lm
+    from qwen35_accel.model.tiny import build_tiny_causal_lm
 
     model = build_tiny_causal_lm(seed=0, num_hidden_layers=6)
     policy = None
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-    from qwen35_accel.testing.local_world import run_local_world
+    from qwen35_accel.local_world import run_local_world
 
     run_local_world(_train, args.world_size, args)
 

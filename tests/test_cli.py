@@ -51,7 +51,7 @@ def test_plan_tiny_shows_mesh_dtype_uniform_units_and_cp_layout():
 def test_plan_reports_the_state_exchange_the_run_takes(tmp_path):
     """Per backend and cp, the exchange `auto` resolves to and its bytes (the formula
     `benchmarks/cp_comm.py` checks against the profiler); tp splits the heads."""
-    from qwen35_accel.cli import _cp_comm
+    from qwen35_accel.plan import _cp_comm
     from qwen35_accel.parallel.context_parallel.state_exchange import exchange_bytes
     from qwen35_accel.testing.tiny import tiny_text_config
 
@@ -155,7 +155,7 @@ def test_env_with_an_unsupported_accelerate_says_why_the_plugin_is_off(monkeypat
         with pytest.warns(UserWarning, match="accelerate 1.14.0 is outside the tested range"):
             assert plugin.install() is False
         report = cli.env()
-        cli._print_env(report)
+        cli.print_env(report)
     finally:
         monkeypatch.undo()
         plugin.install()

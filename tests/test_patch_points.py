@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from qwen35_accel.integrations.patches import PATCH_POINTS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -26,3 +28,14 @@ def test_every_patch_point_declares_a_guard_and_a_wrapper_of_its_own():
     for point in PATCH_POINTS:
         assert point.guard.package == point.module.split(".")[0], point.target
         assert callable(point.wrap) and point.purpose, point.target
+
+
+def test_install_refuses_to_run_without_the_registry_and_says_how(monkeypatch):
+    """`activation` imports no wrapper: the registry hands it the points. Without them,
+    install() would silently patch nothing."""
+    from qwen35_accel.integrations import activation
+
+    assert activation._points == list(PATCH_POINTS)  # handed over at the registry's import
+    monkeypatch.setattr(activation, "_points", [])
+    with pytest.raises(RuntimeError, match=r"no patch points are registered; install through qwen35_accel.install\(\)"):
+        activation.install()

@@ -8,17 +8,20 @@ Accelerate's own path. On machines without accelerators an FSDP config runs FSDP
 gloo (for every model) instead of silently training N independent copies.
 
 The package holds one module per concern: `patches` (the registry: each point's target,
-guard and wrapper; install, uninstall, status), `cpu_backend` (gloo on CPU, the bounded
-exit teardown), `preparation` (FSDP2/TP/CP preparation), `step_hooks` (per-step CP
-sharding, clipping), `checkpoints` (TP checkpoint loading, the Trainer's save and resume),
-`settings` (the `QWEN35_ACCEL_*` knobs). Activation at interpreter start lives in
-`qwen35_accel_autoload` (a torch entry point).
+guard and wrapper, declared as data), `activation` (install, uninstall, status over the
+registered points; it imports no wrapper), `cpu_backend` (gloo on CPU, the bounded exit
+teardown), `preparation` (FSDP2/TP/CP preparation), `step_hooks` (per-step CP padding and
+sharding, clipping), `evaluation` (gathering and whole logits for evaluation),
+`several_models` (a frozen reference model beside the policy), `trl_trainers` (which TRL
+trainers are refused where, and why), `checkpoints` (TP checkpoint loading, the Trainer's
+save and resume), `targets` (which models the points act on), `notices` (what the plugin
+tells the user), `settings` (the `QWEN35_ACCEL_*` knobs). Activation at interpreter start
+lives in `qwen35_accel_autoload` (a torch entry point).
 """
 
 from __future__ import annotations
 
-from .patches import (
-    PATCH_POINTS,
+from .activation import (
     TESTED_ACCELERATE,
     TESTED_TRANSFORMERS,
     PatchPoint,
@@ -28,6 +31,7 @@ from .patches import (
     status,
     uninstall,
 )
+from .patches import PATCH_POINTS
 from .preparation import prepare_qwen35_fsdp2
 
 __all__ = [

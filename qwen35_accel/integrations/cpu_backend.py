@@ -24,13 +24,8 @@ from typing import Any
 
 import torch
 
+from .notices import main_process_note
 from .settings import PluginSettings
-
-
-def main_process_note(message: str) -> None:
-    """One line on the main process: what the plugin did (visible in launcher logs)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"[qwen35_accel] {message}", file=sys.stderr, flush=True)
 
 
 def no_accelerator() -> bool:

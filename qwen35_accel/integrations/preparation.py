@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cpu_backend import main_process_note
+from .notices import main_process_note
 from .settings import PluginSettings
 from .targets import is_dense_qwen35_module, the_model
 
@@ -30,7 +30,7 @@ def prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
         if model is not None and is_dense_qwen35_module(model):
             from ..model.fp32_gate import install_fp32_gate
 
-            from .patches import install
+            from .activation import install
 
             install()  # the deferred points (transformers.trainer is imported by now if a Trainer runs)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .several_models import (
+from .trl_trainers import (
     TRL_LOGPROB_TRAINERS,
     TRL_SAMPLING_TRAINERS,
     trl_trainer,

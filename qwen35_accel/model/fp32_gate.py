@@ -105,6 +105,12 @@ class Fp32GateParams(nn.Module):
         return self
 
 
+def transformers_name(name: str) -> str:
+    """A parameter's (or state-dict key's) name as the unmodified Transformers model has it:
+    `….linear_attn._fp32_params.A_log` -> `….linear_attn.A_log`; other names unchanged."""
+    return name.replace(f".{HOLDER_NAME}.", ".")
+
+
 def _gate_state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """`prefix._fp32_params.A_log` -> `prefix.A_log` (the Transformers key)."""
     for name in GATE_PARAM_NAMES:
@@ -290,7 +296,7 @@ def _named_parameters_with_transformers_names(
     self: nn.Module, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
 ) -> Iterator[tuple[str, nn.Parameter]]:
     for name, param in type(self).named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate):
-        yield name.replace(f".{HOLDER_NAME}.", "."), param
+        yield transformers_name(name), param
 
 
 def has_fp32_gate(module: nn.Module) -> bool:

@@ -1,7 +1,7 @@
 """The causal-LM loss of a parallelized model (`model.loss_function`), over a cp group
 (the sequence sharded), a vocab-parallel lm_head's tp group (the logits sliced by vocab),
-or both. The lowest of `parallel/*`: context and tensor parallelism both install it and
-it imports neither.
+or both. Context and tensor parallelism both install it and it imports neither (only
+`parallel/collectives.py`).
 """
 
 from __future__ import annotations
@@ -12,29 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .collectives import reduce_from_group
+
 IGNORE_INDEX = -100
 # Set on the model by a vocab-parallel lm_head: its tp group (the logits hold a vocab slice).
 VOCAB_GROUP_ATTR = "_qwen35_vocab_group"
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    """All-reduce (sum) forward over a group; identity backward (Megatron's g)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad, None
-
-
-def reduce_from_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum of `x` over `group` (any shape, same on every rank); the gradient passes through
-    unchanged, so each rank's `x` gets the gradient of the sum. Collective over `group`."""
-    return _ReduceFromGroup.apply(x, group)
 
 
 def vocab_parallel_cross_entropy(

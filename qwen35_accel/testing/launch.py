@@ -8,7 +8,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from .local_world import free_port
+from ..local_world import free_port
 from .processes import run_process_tree
 
 REPO = Path(__file__).resolve().parents[2]

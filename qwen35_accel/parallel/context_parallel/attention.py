@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from .collectives import all_gather_with_grad
+from ..collectives import all_gather_with_grad
 from .documents import DOCUMENTS_KWARG, ShardedDocuments
 from .layout import rank_chunks, unshard_sequence
 

@@ -19,7 +19,7 @@ from ...model.fp32_gate import Fp32GateGatedDeltaNet
 from ...ops.causal_conv import ConvKernel, select_conv_kernel, torch_conv_kernel
 from ...ops.documents import per_document_with_state
 from ...ops.gated_delta import Kernel, chunk_summary, read_state, select_kernel
-from .collectives import all_gather_with_grad
+from ..collectives import all_gather_with_grad
 from .documents import DOCUMENTS_KWARG, ShardedDocuments
 from .layout import chunk_owner, rank_chunks
 from .state_exchange import incoming_states

@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_with_grad
+from ..collectives import all_gather_with_grad
 from .layout import chunk_owner, rank_chunks
 
 Exchange = Literal["auto", "allgather", "scan"]

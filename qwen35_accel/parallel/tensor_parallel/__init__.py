@@ -20,15 +20,15 @@ replicated (the lm_head optionally split by vocab). Parameters are plain tensors
 the local slice, so FSDP2 over the `dp_shard_cp` mesh and context parallelism compose
 unchanged. State dicts and optimizer state stay in Transformers' layout.
 
-Modules: `collectives` (f/g), `layout` (how a parameter is split; which are),
-`plan` (the split, its hooks, the vocab-parallel lm_head), `state_dict` (Transformers'
-layout, optimizer state, full-state loading), `clipping` (`clip_grad_norm_`). The
-vocab-parallel loss lives in `qwen35_accel.parallel.losses` (re-exported here).
+Modules: `layout` (how a parameter is split; which are), `plan` (the split, its hooks,
+the vocab-parallel lm_head), `state_dict` (Transformers' layout, optimizer state,
+full-state loading), `clipping` (`clip_grad_norm_`). The vocab-parallel loss lives in
+`qwen35_accel.parallel.losses` (re-exported here), Megatron's f and g (`copy_to_group`,
+`reduce_from_group`) in `qwen35_accel.parallel.collectives`.
 """
 
 from ..losses import IGNORE_INDEX, VOCAB_GROUP_ATTR, VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
 from .clipping import clip_grad_norm_
-from .collectives import copy_to_tp, reduce_from_tp
 from .layout import TP_GROUP_ATTR, Slicer, tensor_parallel_group, tensor_parallel_sliced
 from .plan import (
     TensorParallelRMSNorm,
@@ -59,11 +59,9 @@ __all__ = [
     "check_divisible",
     "check_vocab_parallel",
     "clip_grad_norm_",
-    "copy_to_tp",
     "gather_tensor_parallel",
     "gather_vocab_parallel_logits",
     "load_full_state_dict",
-    "reduce_from_tp",
     "register_optimizer_state_layout",
     "tensor_parallel_group",
     "tensor_parallel_sliced",

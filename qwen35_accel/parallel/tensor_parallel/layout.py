@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...model.fp32_gate import HOLDER_NAME
+from ...model.fp32_gate import transformers_name
 
 TP_GROUP_ATTR = "_qwen35_tp_group"  # on split modules and TP norms: the tp process group
 LAYOUTS_ATTR = "_qwen35_tp_layouts"  # on split modules: {parameter path inside: _Sliced}
@@ -79,10 +79,6 @@ def _rows(*sizes: int) -> _Sliced:
 _COLS = _Sliced("cols")
 
 
-def _state_dict_key(path: str) -> str:
-    return path.replace(f".{HOLDER_NAME}.", ".")
-
-
 def _split_entries(model: nn.Module) -> list[tuple[str, nn.Parameter, _Sliced, dist.ProcessGroup]]:
     """(state-dict key, parameter as the model holds it now, split, tp group) for every
     parameter tensor parallelism split. Look them up when needed: FSDP2 replaces the
@@ -92,7 +88,7 @@ def _split_entries(model: nn.Module) -> list[tuple[str, nn.Parameter, _Sliced, d
         layouts = getattr(module, LAYOUTS_ATTR, None)
         for path, sliced in (layouts or {}).items():
             owner, _, name = path.rpartition(".")
-            key = f"{prefix}.{_state_dict_key(path)}" if prefix else _state_dict_key(path)
+            key = f"{prefix}.{transformers_name(path)}" if prefix else transformers_name(path)
             entries.append((key, module.get_submodule(owner)._parameters[name], sliced, getattr(module, TP_GROUP_ATTR)))
     return entries
 

@@ -2,9 +2,10 @@
 
 Each tp rank keeps whole heads: its slice of every head-indexed projection, and runs the
 token mixers on those heads only (see the package docstring for the per-layer plan).
-Each block's input is f (`copy_to_tp`), its output g (`reduce_from_tp`); the norms used
-on local heads keep a replicated weight whose gradient is all-reduced. Optionally the
-lm_head is split by vocab rows too, with a loss that never gathers the logits.
+Each block's input is f (`copy_to_group`), its output g (`reduce_from_group`) over the tp
+group; the norms used on local heads keep a replicated weight whose gradient is
+all-reduced. Optionally the lm_head is split by vocab rows too, with a loss that never
+gathers the logits.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from ...model.detect import qwen35_parts
 from ...model.fp32_gate import HOLDER_NAME
+from ..collectives import copy_to_group, reduce_from_group
 from ..losses import VOCAB_GROUP_ATTR, VocabParallelCausalLMLoss
-from .collectives import copy_to_tp, reduce_from_tp
 from .layout import _COLS, LAYOUTS_ATTR, TP_GROUP_ATTR, _rows, _Sliced
 from .state_dict import _gather_hook, _slice_hook
 
@@ -33,7 +34,7 @@ class TensorParallelRMSNorm(hf.Qwen3_5RMSNorm):
     gradient all-reduced over the tp group. Same arithmetic as Transformers'."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = copy_to_tp(self.weight, getattr(self, TP_GROUP_ATTR))
+        weight = copy_to_group(self.weight, getattr(self, TP_GROUP_ATTR))
         output = self._norm(x.float())
         return (output * (1.0 + weight.float())).type_as(x)
 
@@ -43,7 +44,7 @@ class TensorParallelRMSNormGated(hf.Qwen3_5RMSNormGated):
     gradient all-reduced). Same arithmetic as Transformers'."""
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        weight = copy_to_tp(self.weight, getattr(self, TP_GROUP_ATTR))
+        weight = copy_to_group(self.weight, getattr(self, TP_GROUP_ATTR))
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
@@ -112,8 +113,8 @@ class TensorParallelReplicatedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = getattr(self, TP_GROUP_ATTR)
-        bias = copy_to_tp(self.bias, group) if self.bias is not None else None
-        return nn.functional.linear(x, copy_to_tp(self.weight, group), bias)
+        bias = copy_to_group(self.bias, group) if self.bias is not None else None
+        return nn.functional.linear(x, copy_to_group(self.weight, group), bias)
 
 
 def _is_lora_layer(module: nn.Module) -> bool:
@@ -159,9 +160,9 @@ def _input_hook(group: dist.ProcessGroup) -> Callable[..., Any]:
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if "hidden_states" in kwargs:
-            kwargs["hidden_states"] = copy_to_tp(kwargs["hidden_states"], group)
+            kwargs["hidden_states"] = copy_to_group(kwargs["hidden_states"], group)
         else:
-            args = (copy_to_tp(args[0], group), *args[1:])
+            args = (copy_to_group(args[0], group), *args[1:])
         return args, kwargs
 
     return hook
@@ -172,8 +173,8 @@ def _output_hook(group: dist.ProcessGroup) -> Callable[..., Any]:
 
     def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if isinstance(output, tuple):
-            return (reduce_from_tp(output[0], group), *output[1:])
-        return reduce_from_tp(output, group)
+            return (reduce_from_group(output[0], group), *output[1:])
+        return reduce_from_group(output, group)
 
     return hook
 

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .layout import _Sliced, _split_entries, _state_dict_key
+from ...model.fp32_gate import transformers_name
+from .layout import _Sliced, _split_entries
 
 
 def _to_transformers_layout(local: torch.Tensor, sliced: _Sliced, group: dist.ProcessGroup) -> torch.Tensor:
@@ -84,7 +85,7 @@ def _gather_hook(layouts: dict[str, _Sliced], group: dist.ProcessGroup) -> Calla
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         shapes_only, tp = _SHAPES_ONLY.get(), dist.get_world_size(group)
         for path, sliced in layouts.items():
-            key = prefix + _state_dict_key(path)
+            key = prefix + transformers_name(path)
             if key not in state_dict:
                 continue
             value = state_dict[key]
@@ -101,7 +102,7 @@ def _slice_hook(layouts: dict[str, _Sliced], group: dist.ProcessGroup) -> Callab
 
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         for path, sliced in layouts.items():
-            key = prefix + _state_dict_key(path)
+            key = prefix + transformers_name(path)
             if key in state_dict:
                 owner, _, name = path.rpartition(".")
                 param = module.get_submodule(owner)._parameters[name]

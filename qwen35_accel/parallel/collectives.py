@@ -1,9 +1,58 @@
-"""Autograd-aware collectives for context parallelism (gloo and NCCL alike)."""
+"""Autograd-aware collectives over a process group (gloo and NCCL alike), the lowest of
+`parallel/*` (imports nothing of ours).
+
+Megatron's f and g, on local tensors: f (`copy_to_group`): identity forward, gradient
+all-reduced: a tensor-parallel block's input, and the replicated weights used on this
+rank's heads only (the q/k and gated norms); g (`reduce_from_group`): all-reduce forward,
+identity backward: a block's output, and the vocab-parallel loss's sums.
+Context parallelism's all-gather (`all_gather_with_grad`), whose backward is a
+reduce-scatter (`reduce_scatter_stack`).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """All-reduce (sum) forward over a group; identity backward (Megatron's g)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def reduce_from_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum of `x` over `group` (any shape, same on every rank); the gradient passes through
+    unchanged, so each rank's `x` gets the gradient of the sum. Collective over `group`."""
+    return _ReduceFromGroup.apply(x, group)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient over a group (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`x` unchanged (a view); backward sums the gradient over `group`."""
+    return _CopyToGroup.apply(x, group)
 
 
 def reduce_scatter_stack(stack: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

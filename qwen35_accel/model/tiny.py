@@ -1,0 +1,110 @@
+"""Tiny dense Qwen3.5 models built in code (no downloads): `qwen35-accel plan --model tiny`,
+the demo, and the tests and benchmarks (through `qwen35_accel.testing.tiny`).
+
+`tiny_text_config` keeps every feature that matters for parallel correctness: GatedDeltaNet
+and full-attention layers, GQA in both (value heads > key heads in GatedDeltaNet), partial
+rotary, optional tied embeddings. `randomize_for_parity` replaces the Transformers init
+where it would hide bugs (see the project's testing notes): weak decay so the recurrent
+state carries across the whole sequence, and norm weights away from zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
+
+
+def tiny_text_config(*, tie_word_embeddings: bool = False, num_hidden_layers: int = 3, **overrides: Any) -> Qwen3_5TextConfig:
+    """Layers follow Qwen3.5's pattern with interval 3: linear, linear, full, linear, …"""
+    kwargs: dict[str, Any] = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        layer_types=["full_attention" if (i + 1) % 3 == 0 else "linear_attention" for i in range(num_hidden_layers)],
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    config = Qwen3_5TextConfig(**kwargs)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def tiny_vlm_config(**text_overrides: Any) -> Qwen3_5Config:
+    """A tiny `Qwen3_5ForConditionalGeneration` config (2 vision blocks)."""
+    text = tiny_text_config(**text_overrides)
+    vision = dict(
+        depth=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        in_channels=3,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=text.hidden_size,
+        num_position_embeddings=16,
+    )
+    config = Qwen3_5Config(
+        text_config=text.to_dict(),
+        vision_config=vision,
+        image_token_id=text.vocab_size - 1,
+        video_token_id=text.vocab_size - 2,
+        vision_start_token_id=text.vocab_size - 3,
+        vision_end_token_id=text.vocab_size - 4,
+        tie_word_embeddings=text.tie_word_embeddings,
+    )
+    config._attn_implementation = "sdpa"
+    config.text_config._attn_implementation = "sdpa"
+    config.vision_config._attn_implementation = "sdpa"
+    return config
+
+
+@torch.no_grad()
+def randomize_for_parity(model: nn.Module, seed: int) -> nn.Module:
+    """Deterministically re-initialise `model` (in place) so parallel bugs show.
+
+    GatedDeltaNet: `A_log = log(U(0.002, 0.05))`, `dt_bias ~ N(0, 0.3)` (weak decay);
+    every 1-D parameter (norm weights, biases) gets noise; the rest keeps its init.
+    Works before or after `install_fp32_gate`.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, hf.Qwen3_5GatedDeltaNet):
+            n = module.A_log.numel()
+            module.A_log.copy_(torch.empty(n).uniform_(0.002, 0.05, generator=gen).log())
+            module.dt_bias.copy_(torch.randn(n, generator=gen) * 0.3)
+    for name, p in model.named_parameters():
+        if p.dim() == 1 and not name.endswith(("A_log", "dt_bias")):
+            p.copy_(p + 0.2 * torch.randn(p.shape, generator=gen).to(p.dtype))
+    return model
+
+
+def build_tiny_causal_lm(seed: int = 0, *, dtype: torch.dtype = torch.float32, **config_overrides: Any) -> hf.Qwen3_5ForCausalLM:
+    """Unmodified Transformers `Qwen3_5ForCausalLM`, same weights for the same seed."""
+    torch.manual_seed(seed)
+    model = hf.Qwen3_5ForCausalLM(tiny_text_config(**config_overrides))
+    randomize_for_parity(model, seed)
+    return model.to(dtype)
+
+
+def build_tiny_vlm(seed: int = 0, *, dtype: torch.dtype = torch.float32, **text_overrides: Any) -> hf.Qwen3_5ForConditionalGeneration:
+    """Unmodified Transformers `Qwen3_5ForConditionalGeneration`, same weights per seed."""
+    torch.manual_seed(seed)
+    model = hf.Qwen3_5ForConditionalGeneration(tiny_vlm_config(**text_overrides))
+    randomize_for_parity(model, seed)
+    return model.to(dtype)

@@ -30,6 +30,7 @@ from .parallel.fsdp import (
     unit_record,
 )
 from .parallel.mesh import ParallelDims, mesh_device, mesh_dim_names, mesh_dim_size
+from .parallel.tiled_loss import install_tiled_loss, uses_tiled_loss
 from .parallel.tensor_parallel import (
     apply_tensor_parallel,
     apply_vocab_parallel_lm_head,
@@ -79,6 +80,7 @@ class Qwen3_5ModelParallelizer:
         fp32_holder_units: Fp32HolderUnits = "per_layer",
         vocab_parallel_lm_head: bool = False,
         cp_state_exchange: str = "auto",
+        tiled_loss: bool = True,
     ) -> nn.Module:
         """Parallelize `model` over `device_mesh` and return it (the same object).
 
@@ -94,6 +96,9 @@ class Qwen3_5ModelParallelizer:
         rank's vocab slice. Needs untied embeddings and tp dividing the vocab size.
         `cp_state_exchange` (cp > 1): "allgather", "scan" or "auto", how the GatedDeltaNet
         layers pass chunk summaries across the cp ranks (`install_context_parallel`).
+        `tiled_loss=True` (`Qwen3_5ForCausalLM`): training forwards with labels compute the
+        lm_head and the loss in tiles of tokens and return `logits=None`
+        (`install_tiled_loss`); other forwards keep Transformers' logits.
 
         Preconditions: `torch.distributed` is initialised; `model` is a dense Qwen3.5
         model (TypeError otherwise), possibly inside a PEFT LoRA wrapper, not yet sharded; `device_mesh` has a dim (own or
@@ -125,6 +130,8 @@ class Qwen3_5ModelParallelizer:
             apply_tensor_parallel(base, dims.tp)
             if vocab_parallel_lm_head:
                 apply_vocab_parallel_lm_head(base, dims.tp)
+        if tiled_loss:  # before FSDP2, whose class swap then subclasses this one
+            install_tiled_loss(base)
         if activation_checkpointing:
             apply_activation_checkpointing(parts.decoder_layers)
         self.apply_fsdp_sharding(
@@ -144,13 +151,14 @@ class Qwen3_5ModelParallelizer:
             install_context_parallel(base, dims.cp, state_exchange=cp_state_exchange)
         logger.info(
             "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s, "
-            "cp: %d, tp: %d)",
+            "cp: %d, tp: %d, tiled loss: %s)",
             type(model).__name__,
             fsdp_mesh,
             converted,
             activation_checkpointing,
             cp_size,
             tp_size,
+            uses_tiled_loss(base),
         )
         return model
 

@@ -19,6 +19,13 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def eval_logits(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits of a forward without autograd: a parallelized model's training forwards
+    (labels, grad enabled) compute the tiled loss and return no logits."""
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_world
-from _parity import assert_close, assert_grads_match
+from _parity import assert_close, assert_grads_match, eval_logits
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -69,6 +69,9 @@ def _cp_parity_worker(
     ref_replica_logits = reference(**replica_batch).logits.detach()
 
     local = shard_batch(replica_batch, mesh["cp"])
+    # An eval forward (no autograd) returns logits; run before the training forward, whose
+    # tiled loss returns none (an FSDP2 forward without backward leaves no-reshard units gathered).
+    logits = gather_sequence(eval_logits(model, local), mesh["cp"])[:, :seq]
     out = model(**local)
     out.loss.backward()
 
@@ -76,12 +79,12 @@ def _cp_parity_worker(
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh["dp_shard"].get_group())
     assert_close(loss, ref_out.loss.detach(), "loss")
-    logits = gather_sequence(out.logits.detach(), mesh["cp"])[:, :seq]
+    assert assert_grads_match(model, reference) == sum(1 for _ in reference.parameters())
+    assert out.logits is None  # the tiled loss: no [tokens, vocab] in a training forward
     # Real tokens only: a padded query's output is not defined (Transformers masks padded
     # keys for it, CP does not need to), and padded tokens carry no loss.
     real = replica_batch.get("attention_mask", torch.ones(rows_per_replica, seq)).bool()
     assert_close(logits[real], ref_replica_logits[real], "gathered logits")
-    assert assert_grads_match(model, reference) == sum(1 for _ in reference.parameters())
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _parity import assert_close, hf_name
+from _parity import assert_close, eval_logits, hf_name
 from qwen35_accel.model.fp32_gate import install_fp32_gate
 from qwen35_accel.model.packing import document_layout
 from qwen35_accel.testing.tiny import build_tiny_causal_lm, packed_documents
@@ -158,11 +158,11 @@ def _parallel_packing_worker(rank: int, world: int, dp: int, tp: int) -> None:
     want_loss.backward()
     for form, inputs in _forms(batch, LENGTHS).items():
         model.zero_grad(set_to_none=True)
-        out = model(**inputs)
         where = f"{form}, dp {dp} x tp {tp}"
+        if tp == 1:  # an eval forward's logits, before the training forward (whose tiled loss returns none)
+            assert_close(eval_logits(model, inputs), want_logits, f"logits, {where}")
+        out = model(**inputs)
         assert_close(out.loss, want_loss, f"loss, {where}")
-        if tp == 1:
-            assert_close(out.logits, want_logits, f"logits, {where}")
         out.loss.backward()
         # fp32 rtol 1e-5 / atol 1e-6: FSDP2 averages the ranks' equal gradients, TP sums slices.
         _assert_parallel_grads(model, reference, tp, where)
@@ -242,14 +242,14 @@ def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int, rows_pe
     forms = _forms(batch, lengths)
     for form, whole in forms.items():
         model.zero_grad(set_to_none=True)
+        where = f"{form}, dp {dp} x cp {cp} x tp {tp}"
+        if tp == 1:  # an eval forward's logits, before the training forward (whose tiled loss returns none)
+            logits = gather_sequence(eval_logits(model, shard_batch(whole, mesh["cp"])), mesh["cp"])[:, :seq]
+            assert_close(logits, want_logits, f"logits, {where}")
         out = model(**shard_batch(whole, mesh["cp"]))
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh["dp_shard"].get_group())
-        where = f"{form}, dp {dp} x cp {cp} x tp {tp}"
         assert_close(loss, want_loss.detach(), f"loss, {where}")
-        if tp == 1:
-            logits = gather_sequence(out.logits.detach(), mesh["cp"])[:, :seq]
-            assert_close(logits, want_logits, f"logits, {where}")
         out.loss.backward()
         # fp32 rtol 1e-5 / atol 1e-6: the chunk summaries fold the recurrence in another
         # order than one pass over each document; FSDP2 averages, TP sums slices.

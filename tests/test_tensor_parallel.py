@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_world
-from _parity import assert_close, assert_close_after_adam, hf_name
+from _parity import assert_close, assert_close_after_adam, eval_logits, hf_name
 
 pytestmark = pytest.mark.multiprocess
 
@@ -59,16 +59,18 @@ def _tp_worker(rank: int, world: int, dp: int, cp: int, tp: int, vocab_parallel:
         local = {k: v[2 * replica : 2 * replica + 2] for k, v in batch.items()}
         if cp > 1:
             local = shard_batch(local, mesh["cp"])
-        out = model(**local)
-        loss = out.loss
-        loss.backward()
-        if vocab_parallel:  # logits: this rank's vocab slice; the loss never gathered them
-            assert out.logits.shape[-1] == config.vocab_size // tp
+        if vocab_parallel:  # logits of an eval forward (before the training one): this rank's vocab slice
+            logits = eval_logits(model, local)
+            assert logits.shape[-1] == config.vocab_size // tp
             if cp == 1:
                 from qwen35_accel.parallel.tensor_parallel import gather_vocab_parallel_logits
 
                 want = reference(**local).logits.detach()
-                assert_close(gather_vocab_parallel_logits(model, out.logits.detach()), want, "gathered logits")
+                assert_close(gather_vocab_parallel_logits(model, logits), want, "gathered logits")
+        out = model(**local)
+        loss = out.loss
+        loss.backward()
+        assert out.logits is None  # the tiled loss: no [tokens, vocab] in a training forward
         ref_loss = reference(**batch).loss
         ref_loss.backward()
         reported = loss.detach().clone()

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from qwen35_accel.parallel.tiled_head import OPTIONAL_STATS, linear_token_stats, token_tile_size
+from qwen35_accel.parallel.tiled_head import OPTIONAL_STATS, linear_cross_entropy_sum, linear_token_stats, token_tile_size
 from _dist import run_world
 
 N, H, V = 37, 16, 48  # 37 tokens: tiles of 8 leave a remainder
@@ -74,6 +74,26 @@ def test_tiled_stats_and_gradients_equal_whole_logits(tile, temperature):
         torch.testing.assert_close(leaf.grad, grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
+def _cross_entropy_reference():
+    hidden, weight, bias, targets = _problem()
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    loss = F.cross_entropy(F.linear(*leaves).float(), targets, reduction="sum")
+    (0.37 * loss).backward()  # a scale the upstream gradient must carry
+    return loss.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("tile", [8, 64])
+def test_cross_entropy_sum_and_its_gradients_computed_in_forward_equal_whole_logits(tile):
+    want, want_grads = _cross_entropy_reference()
+    hidden, weight, bias, targets = _problem()
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    loss = linear_cross_entropy_sum(*leaves, targets, tile=tile)
+    torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
+    (0.37 * loss).backward()
+    for leaf, grad, name in zip(leaves, want_grads, ("hidden", "weight", "bias")):
+        torch.testing.assert_close(leaf.grad, grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
 def test_only_requested_outputs_are_computed_and_backward_needs_no_entropy():
     hidden, weight, bias, targets = _problem()
     hidden.requires_grad_()
@@ -108,6 +128,15 @@ def _vocab_parallel_worker(rank: int, world: int, temperature: float) -> None:
     _loss(stats).backward()
     for leaf, grad, name in zip(leaves, (want_grads[0], want_grads[1][rows], want_grads[2][rows]), ("hidden", "weight", "bias")):
         torch.testing.assert_close(leaf.grad, grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"rank {rank} grad {n}: {m}")
+
+
+    want, want_grads = _cross_entropy_reference()
+    leaves = [hidden.clone().requires_grad_(), weight[rows].clone().requires_grad_(), bias[rows].clone().requires_grad_()]
+    loss = linear_cross_entropy_sum(*leaves, targets, group=dist.group.WORLD, tile=8)
+    torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
+    (0.37 * loss).backward()
+    for leaf, grad, name in zip(leaves, (want_grads[0], want_grads[1][rows], want_grads[2][rows]), ("hidden", "weight", "bias")):
+        torch.testing.assert_close(leaf.grad, grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"rank {rank} CE grad {n}: {m}")
 
 
 @pytest.mark.multiprocess

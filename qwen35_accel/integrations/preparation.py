@@ -149,6 +149,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
         fp32_holder_units=settings.fp32_holder_units,  # type: ignore[arg-type]
         vocab_parallel_lm_head=settings.vocab_parallel_lm_head,
         cp_state_exchange=settings.cp_state_exchange,
+        tiled_loss=settings.tiled_loss,
     )
 
     if ram_efficient:

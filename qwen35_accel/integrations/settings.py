@@ -43,6 +43,11 @@ class PluginSettings:
         "under tp > 1, split the lm_head by vocab too; the loss combines the slices (model outputs then hold this "
         "rank's vocab slice of the logits; needs untied embeddings)",
     )
+    tiled_loss: bool = _knob(
+        True,
+        "training forwards with labels compute the lm_head and the loss in tiles of tokens, never holding "
+        "[tokens, vocab] (the returned logits are then None); 0: Transformers' loss from the whole logits",
+    )
     cp_state_exchange: str = _knob(
         "auto",
         "under cp > 1, how GatedDeltaNet chunk summaries cross the ranks: allgather (one all-gather, O(cp) bytes), "

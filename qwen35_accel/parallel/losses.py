@@ -19,6 +19,12 @@ IGNORE_INDEX = -100
 VOCAB_GROUP_ATTR = "_qwen35_vocab_group"
 
 
+CP_NEEDS_SHIFT_LABELS = (
+    "under context parallelism the loss needs `shift_labels` (labels shifted left over the whole sequence, then "
+    "sharded); qwen35_accel.context_parallel.shard_batch and the Trainer integration provide them."
+)
+
+
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup, ignore_index: int = IGNORE_INDEX
 ) -> torch.Tensor:
@@ -46,6 +52,29 @@ def vocab_parallel_cross_entropy(
     picked = shifted[rows, local_target.clamp(0, local_vocab - 1)]
     target_logit = reduce_from_group(picked * mine, group)
     return (sum_exp.log() - target_logit) * valid
+
+
+def reduce_token_loss(
+    local_sum: torch.Tensor,
+    count: torch.Tensor,
+    num_items_in_batch: torch.Tensor | int | None,
+    cp_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """The causal-LM loss from this rank's summed token losses `local_sum` (fp32 scalar) over
+    `count` labelled tokens, as `CausalLMLoss` documents (num_items_in_batch / no CP / CP)."""
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(local_sum.device)
+        return local_sum / num_items_in_batch
+    if cp_group is None:
+        return local_sum / count
+    cp = dist.get_world_size(cp_group)
+    totals = torch.stack([local_sum.detach(), count.to(local_sum.dtype)])
+    dist.all_reduce(totals, group=cp_group)
+    total_sum, total_count = totals.unbind(0)
+    seed = local_sum * (cp / total_count)
+    # Value: the group's mean loss; gradient: this rank's share, scaled for FSDP's average.
+    return seed + (total_sum / total_count - seed).detach()
 
 
 class CausalLMLoss:
@@ -81,11 +110,7 @@ class CausalLMLoss:
     ) -> torch.Tensor:
         if shift_labels is None:
             if self.cp_group is not None:
-                raise ValueError(
-                    "under context parallelism the loss needs `shift_labels` (labels shifted left over the whole "
-                    "sequence, then sharded); qwen35_accel.context_parallel.shard_batch and the Trainer integration "
-                    "provide them."
-                )
+                raise ValueError(CP_NEEDS_SHIFT_LABELS)
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         logits = logits.float()
         shift_labels = shift_labels.reshape(-1).to(logits.device)
@@ -97,20 +122,7 @@ class CausalLMLoss:
             local_sum = F.cross_entropy(
                 logits.reshape(-1, vocab_size), shift_labels, ignore_index=ignore_index, reduction="sum"
             )
-        if num_items_in_batch is not None:
-            if torch.is_tensor(num_items_in_batch):
-                num_items_in_batch = num_items_in_batch.to(local_sum.device)
-            return local_sum / num_items_in_batch
-        count = (shift_labels != ignore_index).sum()
-        if self.cp_group is None:
-            return local_sum / count
-        cp = dist.get_world_size(self.cp_group)
-        totals = torch.stack([local_sum.detach(), count.to(local_sum.dtype)])
-        dist.all_reduce(totals, group=self.cp_group)
-        total_sum, total_count = totals.unbind(0)
-        seed = local_sum * (cp / total_count)
-        # Value: the group's mean loss; gradient: this rank's share, scaled for FSDP's average.
-        return seed + (total_sum / total_count - seed).detach()
+        return reduce_token_loss(local_sum, (shift_labels != ignore_index).sum(), num_items_in_batch, self.cp_group)
 
 
 class VocabParallelCausalLMLoss(CausalLMLoss):

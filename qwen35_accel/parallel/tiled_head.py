@@ -1,11 +1,14 @@
 """The lm_head and next-token statistics in tiles of tokens: `[tokens, vocab]` never exists whole.
 
 At Qwen3.5's 248,320-token vocabulary one fp32 row of logits is ~970 KiB, more than the whole
-checkpointed decoder keeps per token. `linear_token_stats` projects `tile` tokens at a time
-through the lm_head, folds each tile into per-token statistics (log-sum-exp, the target's
-logit, optionally entropy, top-1, ...) and drops it; backward recomputes each tile and turns
-it into the gradients. Saved for backward: the hidden states, the targets and two fp32
-numbers per token.
+checkpointed decoder keeps per token. Two functions project `tile` tokens at a time through
+the lm_head and drop each tile once used:
+- `linear_token_stats`: per-token statistics (log-probability of the target, optionally
+  entropy, top-1, ...) with any upstream gradient; backward recomputes each tile. Saved for
+  backward: the hidden states, the targets and two fp32 numbers per token. (TRL's fused head.)
+- `linear_cross_entropy_sum`: the summed cross entropy (the training loss); its gradients are
+  computed tile by tile in forward and only scaled in backward, three GEMMs per tile as with
+  whole logits. Held for backward: the gradients of hidden states, weight and bias.
 
 With a vocab-parallel lm_head (`group`: each rank holds rows `vocab_start : vocab_start + V/tp`
 of the weight) the per-token statistics are combined over the group (one max, one sum and,
@@ -222,3 +225,101 @@ def linear_token_stats(
         hidden, weight, bias, targets, group, vocab_start, local_vocab * tp, temperature, tile, tuple(outputs)
     )
     return TokenStats(*stats)
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """Σ -log p(target) over the rows, with every gradient computed tile by tile in forward
+    (the upstream gradient of a scalar only scales them): three GEMMs per tile in all, as the
+    whole-logits path, and no recomputation in backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        vocab_start: int,
+        tile: int,
+    ) -> torch.Tensor:
+        dtype = _compute_dtype(hidden)
+        h, w = hidden.to(dtype), weight.to(dtype)
+        b = bias.to(dtype) if bias is not None else None
+        n, local_vocab = h.shape[0], w.shape[0]
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros(h.shape, device=h.device, dtype=torch.float32) if need_hidden else None
+        grad_weight = torch.zeros(w.shape, device=w.device, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros(b.shape, device=b.device, dtype=torch.float32) if need_bias and b is not None else None
+        local_targets = targets - vocab_start
+        mine = (local_targets >= 0) & (local_targets < local_vocab)
+        local_targets = local_targets.clamp(0, local_vocab - 1)
+        total = torch.zeros((), device=h.device, dtype=torch.float32)
+        for start in range(0, n, tile):
+            end = min(start + tile, n)
+            z = _tile_logits(h[start:end], w, b, 1.0)
+            row_max = z.max(dim=-1).values
+            if group is not None:  # the tile's log-sum-exp and target logits over every vocab slice
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            z -= row_max.unsqueeze(-1)
+            p = z.exp()
+            sums = torch.stack([p.sum(dim=-1), z.gather(1, local_targets[start:end, None]).squeeze(1) * mine[start:end]])
+            if group is not None:
+                dist.all_reduce(sums, group=group)
+            sum_exp, target_logit = sums.unbind(0)
+            total += (sum_exp.log() - target_logit).sum()
+            # d(-log p_target)/dz = p - 1[target]
+            p /= sum_exp.unsqueeze(-1)
+            p.scatter_add_(1, local_targets[start:end, None], -mine[start:end, None].to(p.dtype))
+            del z
+            if grad_hidden is not None:
+                grad_hidden[start:end] = torch.mm(p.to(w.dtype), w).float()
+            if grad_weight is not None:
+                grad_weight.addmm_(p.t(), h[start:end].float())
+            if grad_bias is not None:
+                grad_bias += p.sum(dim=0)
+            del p
+        if grad_hidden is not None and group is not None:  # each rank's vocab slice contributes
+            dist.all_reduce(grad_hidden, group=group)
+        grads = (
+            grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_bias.to(bias.dtype) if grad_bias is not None else None,
+        )
+        # Saved as tensors (not ctx attributes), so saved-tensor hooks and offloading see them.
+        ctx.present = tuple(g is not None for g in grads)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.save_for_backward(*(g for g in grads if g is not None))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):  # type: ignore[override]
+        saved = iter(ctx.saved_tensors)
+        grads = tuple(next(saved) * grad_total.to(torch.float32) if present else None for present in ctx.present)
+        grads = tuple(g if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
+        return (*grads, *(None,) * 4)
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    tile: int | None = None,
+) -> torch.Tensor:
+    """Σ over rows of the cross entropy of `hidden @ weight.T + bias` against `targets`
+    (fp32 scalar), in tiles of `tile` tokens, with the gradients computed during forward
+    (held until backward: `hidden`'s shape in fp32 before the cast to its dtype, the
+    weight's and bias's in their dtypes) and nothing of size tokens × vocab kept.
+
+    Shapes and the vocab-parallel contract as `linear_token_stats` (collective over `group`:
+    two [tile] all-reduces per tile and one [N, H] in forward). For the training loss; use
+    `linear_token_stats` when the per-token values are needed.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"expected hidden [N, H] and targets [N]; got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+    local_vocab = weight.shape[0]
+    vocab_start = 0 if group is None else dist.get_rank(group) * local_vocab
+    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, group, vocab_start, tile or token_tile_size(local_vocab))

@@ -1,0 +1,151 @@
+"""The loss path at Qwen3.5's vocabulary: memory and time, tiled loss vs Transformers' loss.
+
+    python benchmarks/loss_memory.py [--vocab 248320] [--hidden 512 1024] [--tokens 2048] [--cp 1 2] [--steps 3] [--smoke]
+
+The loss path is the lm_head and the cross entropy on given hidden states `[tokens, hidden]`
+(what the decoder hands over): forward + backward, fp32, every token labelled.
+- tiled: `parallel.tiled_head.linear_cross_entropy_sum` (tiles of `token_tile_size(vocab)`
+  tokens, gradients computed in forward) and the loss reduction `PARALLELIZER.apply` installs;
+- Transformers: `lm_head(hidden)` then Transformers' `ForCausalLMLoss` (our `CausalLMLoss`
+  over the cp group under cp 2, as the parallelizer installs it).
+Under cp 2 each of 2 gloo ranks holds half the tokens (figures per rank, rank 0).
+Per configuration: bytes saved for backward (saved-tensor hooks, distinct storages, the
+weight excluded) and the peak of resident memory during one step above the set-up (each
+variant in fresh processes: ru_maxrss, so it includes allocator slack), then the step time,
+both variants alternating in one world (median of paired ratios). Writes
+`benchmarks/results/loss_memory.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import tempfile
+import time
+
+import torch
+
+import _report
+
+
+def _setup(rank: int, world: int, tokens: int, hidden: int, vocab: int):
+    generator = torch.Generator().manual_seed(rank)
+    local = tokens // world
+    x = torch.randn(local, hidden, generator=generator)
+    weight = torch.nn.Parameter(torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0)) / hidden**0.5)
+    labels = torch.randint(0, vocab, (local,), generator=generator)
+    return x, weight, labels
+
+
+def _loss(variant: str, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, world: int) -> torch.Tensor:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from qwen35_accel.parallel.losses import CausalLMLoss, reduce_token_loss
+    from qwen35_accel.parallel.tiled_head import linear_cross_entropy_sum
+
+    group = dist.group.WORLD if world > 1 else None
+    if variant == "tiled":
+        local_sum = linear_cross_entropy_sum(x, weight, None, labels)
+        return reduce_token_loss(local_sum, torch.tensor(labels.numel()), None, group)
+    logits = F.linear(x, weight)[None]
+    if group is not None:
+        return CausalLMLoss(cp_group=group)(logits, None, weight.shape[0], shift_labels=labels[None])
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, None, weight.shape[0], shift_labels=labels[None])
+
+
+def _memory_worker(rank: int, world: int, variant: str, tokens: int, hidden: int, vocab: int, path: str) -> None:
+    from qwen35_accel.testing.saved_tensors import saved_storage_bytes
+
+    x, weight, labels = _setup(rank, world, tokens, hidden, vocab)
+    x.requires_grad_()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    loss, saved = saved_storage_bytes(lambda: _loss(variant, x, weight, labels, world), exclude=[weight])
+    loss.backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump({"saved": saved, "peak": peak, "loss": loss.item()}, f)
+
+
+def _time_worker(rank: int, world: int, tokens: int, hidden: int, vocab: int, steps: int, path: str) -> None:
+    import torch.distributed as dist
+
+    x, weight, labels = _setup(rank, world, tokens, hidden, vocab)
+    times: dict[str, list[float]] = {"tiled": [], "transformers": []}
+    for step in range(steps + 1):
+        for variant in times:
+            if world > 1:
+                dist.barrier()
+            started = time.perf_counter()
+            _loss(variant, x.clone().requires_grad_(), weight, labels, world).backward()
+            weight.grad = None
+            if step:  # the first is a warm-up
+                times[variant].append(time.perf_counter() - started)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(times, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--vocab", type=int, default=248_320)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048])
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=3)
+    _report.add_arguments(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        args.vocab, args.hidden, args.tokens, args.cp, args.steps = 4096, [64], [256], [1, 2], 1
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from qwen35_accel.parallel.tiled_head import token_tile_size
+    from qwen35_accel.testing.local_world import run_local_world
+
+    threads = max(1, (os.cpu_count() or 1) // max(args.cp))
+    run = _report.Run()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for hidden in args.hidden:
+            for tokens in args.tokens:
+                for cp in args.cp:
+                    found = {}
+                    for variant in ("tiled", "transformers"):
+                        path = os.path.join(tmp, f"{variant}.json")
+                        run_local_world(_memory_worker, cp, variant, tokens, hidden, args.vocab, path, threads_per_rank=threads)
+                        with open(path) as f:
+                            found[variant] = json.load(f)
+                    path = os.path.join(tmp, "times.json")
+                    run_local_world(_time_worker, cp, tokens, hidden, args.vocab, args.steps, path, threads_per_rank=threads)
+                    with open(path) as f:
+                        times = json.load(f)
+                    ratio = statistics.median(a / b for a, b in zip(times["tiled"], times["transformers"]))
+                    t, r = found["tiled"], found["transformers"]
+                    rows.append(
+                        f"| {hidden} | {tokens} | {cp} | {r['saved'] / 2**20:.1f} | {t['saved'] / 2**20:.1f} | "
+                        f"{r['saved'] / t['saved']:.1f}× | {r['peak'] / 2**20:.0f} | {t['peak'] / 2**20:.0f} | "
+                        f"{statistics.median(times['transformers']) * 1e3:.0f} | {statistics.median(times['tiled']) * 1e3:.0f} | "
+                        f"{ratio:.2f} | {abs(t['loss'] - r['loss']) / abs(r['loss']):.1e} |"
+                    )
+                    print(rows[-1], flush=True)
+    table = "\n".join([
+        f"Loss path (lm_head + cross entropy, forward + backward, fp32) at vocab {args.vocab}; tiles of "
+        f"{token_tile_size(args.vocab)} tokens; per rank (rank 0); {args.steps} timed steps per variant, alternating; "
+        f"{threads} threads per rank.\n",
+        "| hidden | tokens | cp | saved for backward, Transformers (MiB) | saved, tiled (MiB) | less saved | "
+        "peak RSS above set-up, Transformers (MiB) | peak, tiled (MiB) | step, Transformers (ms, median) | "
+        "step, tiled (ms, median) | time ratio tiled / Transformers (median of pairs) | loss relative difference |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ])
+    print(table)
+    run.write(_report.results_dir(args), "loss_memory.md", "The loss path at Qwen3.5's vocabulary: tiled vs Transformers", table)
+
+
+if __name__ == "__main__":
+    main()

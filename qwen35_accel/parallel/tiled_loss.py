@@ -1,0 +1,122 @@
+"""A training loss that never holds `[tokens, vocab]`: the lm_head and the cross entropy in tiles.
+
+`install_tiled_loss(model)` gives a `Qwen3_5ForCausalLM` a forward that, when autograd is
+recording and `labels` are given (a training step), runs the backbone and computes the loss
+with `linear_cross_entropy_sum` over the labelled positions only, tile by tile (its gradients
+computed in forward, so no GEMM is repeated), and returns `logits=None`: nothing of size
+tokens × vocab is made whole or kept for backward (Transformers' path keeps the logits and an
+fp32 copy, ~1.45 MiB per token at vocab 248,320). The loss is
+Transformers' (`num_items_in_batch`, `shift_labels`, -100 ignored), over the model's cp
+group and vocab-parallel lm_head when `PARALLELIZER.apply` installed them (`CausalLMLoss`'s
+groups). Every other call — no labels, no grad (evaluation, prediction, generation),
+`logits_to_keep`, a PEFT-wrapped lm_head — runs Transformers' forward unchanged, logits
+included.
+
+The model's class becomes a subclass of its own class with the same name (so checkpoints
+name the Transformers class), overriding `forward` only; instance-level forwards (TRL's fused
+head) keep precedence.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from .losses import CP_NEEDS_SHIFT_LABELS, IGNORE_INDEX, VOCAB_GROUP_ATTR, CausalLMLoss, reduce_token_loss
+from .tiled_head import linear_cross_entropy_sum
+
+TILED_LOSS_ATTR = "_qwen35_tiled_loss"  # False on an installed model: Transformers' path again
+TILE_ATTR = "_qwen35_tiled_loss_tile"  # tokens per tile; None: `token_tile_size` of the local vocab
+_TILED_CLASSES: dict[type, type] = {}
+
+
+def uses_tiled_loss(model: nn.Module) -> bool:
+    """Whether training forwards of `model` compute the tiled loss."""
+    return bool(getattr(model, TILED_LOSS_ATTR, False))
+
+
+def _tiled_loss_applies(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if not uses_tiled_loss(model) or kwargs.get("labels") is None or not torch.is_grad_enabled() or len(args) > 1:
+        return False
+    logits_to_keep = kwargs.get("logits_to_keep", 0)
+    if not isinstance(logits_to_keep, int) or logits_to_keep != 0:
+        return False
+    lm_head = model.get_output_embeddings()
+    # A PEFT-wrapped lm_head (LoRA on it) computes more than `weight`: Transformers' path.
+    return isinstance(lm_head, nn.Linear) and not hasattr(lm_head, "base_layer")
+
+
+def tiled_causal_lm_loss(
+    model: nn.Module, hidden_states: torch.Tensor, labels: torch.Tensor, **loss_kwargs: Any
+) -> torch.Tensor:
+    """The causal-LM loss of `hidden_states` [batch, seq, hidden] through `model`'s lm_head,
+    as `model.loss_function(logits, labels, ...)` would compute it from the whole logits.
+
+    `loss_kwargs`: `num_items_in_batch`, `shift_labels` (required under CP), `ignore_index`.
+    """
+    shift_labels = loss_kwargs.get("shift_labels")
+    ignore_index = loss_kwargs.get("ignore_index", IGNORE_INDEX)
+    loss_function = model.loss_function
+    cp_group = loss_function.cp_group if isinstance(loss_function, CausalLMLoss) else None
+    if shift_labels is None:
+        if cp_group is not None:
+            raise ValueError(CP_NEEDS_SHIFT_LABELS)
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    lm_head = model.get_output_embeddings()
+    targets = shift_labels.reshape(-1).to(hidden_states.device)
+    labelled = targets != ignore_index
+    local_sum = linear_cross_entropy_sum(
+        hidden_states.reshape(-1, hidden_states.shape[-1])[labelled],
+        lm_head.weight,
+        lm_head.bias,
+        targets[labelled],
+        group=getattr(model, VOCAB_GROUP_ATTR, None),
+        tile=getattr(model, TILE_ATTR, None),
+    )
+    return reduce_token_loss(local_sum, labelled.sum(), loss_kwargs.get("num_items_in_batch"), cp_group)
+
+
+def _tiled_class(cls: type) -> type:
+    """`cls` with the tiled-loss forward (one subclass per class, named as `cls`)."""
+    if cls in _TILED_CLASSES:
+        return _TILED_CLASSES[cls]
+    base_forward = cls.forward
+
+    @functools.wraps(base_forward)  # the same signature: the Trainer inspects it (loss kwargs, columns)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not _tiled_loss_applies(self, args, kwargs):
+            return base_forward(self, *args, **kwargs)
+        if args:
+            kwargs["input_ids"] = args[0]
+        labels = kwargs.pop("labels")
+        kwargs.pop("logits_to_keep", None)
+        return_dict = kwargs.pop("return_dict", None)
+        # As Transformers' forward: every other kwarg reaches the backbone and the loss alike.
+        outputs = self.model(**kwargs)
+        loss = tiled_causal_lm_loss(self, outputs.last_hidden_state, labels, **kwargs)
+        result = hf.CausalLMOutputWithPast(
+            loss=loss, logits=None, cache=outputs.cache, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+        return result.to_tuple() if return_dict is False else result
+
+    tiled = type(cls.__name__, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": cls.__qualname__})
+    _TILED_CLASSES[cls] = tiled
+    return tiled
+
+
+def install_tiled_loss(model: nn.Module, *, tile: int | None = None) -> bool:
+    """Give `model` (a `Qwen3_5ForCausalLM`, unsharded) the tiled training loss, `tile` tokens
+    per tile (default: `token_tile_size` of the lm_head's rows); returns False, changing
+    nothing, for other classes (the VLM keeps Transformers' loss). Idempotent."""
+    if not isinstance(model, hf.Qwen3_5ForCausalLM):
+        return False
+    if model.__class__ not in _TILED_CLASSES.values():
+        model.__class__ = _tiled_class(model.__class__)
+    setattr(model, TILED_LOSS_ATTR, True)
+    setattr(model, TILE_ATTR, tile)
+    return True

@@ -12,6 +12,7 @@ ordinary path.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -25,16 +26,77 @@ from .targets import is_dense_qwen35_module
 def accelerator_init(original: Callable[..., Any]) -> Callable[..., Any]:
     """`Accelerator.__init__`: then apply the deferred patch points whose modules are imported
     by now (a Trainer subclass such as TRL's `DPOTrainer` prepares its reference model right
-    after creating the accelerator, before any `prepare` call)."""
+    after creating the accelerator, before any `prepare` call).
+
+    Before the original runs, the one parallelism layout Accelerate refuses with advice that
+    contradicts itself (replicate-only data parallelism with cp or tp > 1) is refused here with
+    the layout that works. An error the original raises by itself is Accelerate's: it passes
+    through this frame unchanged but for a note saying so (Python cannot drop a caller's
+    frame from a traceback)."""
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
+        refusal = replicate_only_refusal(kwargs.get("parallelism_config"))
+        if refusal is not None:
+            raise refusal
+        try:
+            original(self, *args, **kwargs)
+        except Exception as error:
+            _note_if_not_ours(error, "Accelerate's own Accelerator.__init__")
+            raise
         from .patches import install
 
         install()
 
     return wrapper
+
+
+def replicate_only_refusal(config: Any = None) -> ValueError | None:
+    """The error for `dp_replicate_size > 1` with `dp_shard_size == 1` and cp or tp > 1, or None.
+
+    Accelerate refuses that layout in `ParallelismConfig` with advice that contradicts itself
+    (it asks for `dp_replicate_size == 1` for HSDP). `config`: the `ParallelismConfig` given to
+    the Accelerator, or None for the one Accelerate builds from `PARALLELISM_CONFIG_*`
+    (what `accelerate launch` sets from the YAML's `parallelism_config`).
+    """
+    if config is not None:
+        return None  # built by the caller, so Accelerate's check already ran (outside our frames)
+
+    def size(name: str) -> int:
+        try:
+            return int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
+        except ValueError:
+            return 1  # Accelerate reports it
+
+    replicate, shard, cp, tp = size("dp_replicate"), size("dp_shard"), size("cp"), size("tp")
+    if not (replicate > 1 and shard == 1 and (cp > 1 or tp > 1)):
+        return None
+    world = replicate * cp * tp
+    layouts = [f"dp_replicate_size: 1, dp_shard_size: {replicate} (FSDP2 over the data-parallel ranks)"]
+    if replicate % 2 == 0 and replicate > 2:
+        layouts.append(f"dp_replicate_size: {replicate // 2}, dp_shard_size: 2 (HSDP)")
+    if cp % 2 == 0:  # keep the replicas (e.g. one per node) and give dp_shard half the cp ranks
+        layouts.append(f"dp_replicate_size: {replicate}, dp_shard_size: 2, cp_size: {cp // 2} (HSDP)")
+    elif tp % 2 == 0:
+        layouts.append(f"dp_replicate_size: {replicate}, dp_shard_size: 2, tp_size: {tp // 2} (HSDP)")
+    return ValueError(
+        f"parallelism_config has dp_replicate_size={replicate}, dp_shard_size=1, cp_size={cp}, tp_size={tp}: Accelerate "
+        "composes cp and tp only with sharded data parallelism (dp_shard_size > 1) and refuses this layout. Layouts "
+        f"that work on the same {world} processes: " + "; or ".join(layouts) + ". See docs/multi_node.md. (Refused by "
+        "qwen35_accel before Accelerate's own check, whose advice contradicts itself.)"
+    )
+
+
+def _note_if_not_ours(error: BaseException, where: str) -> None:
+    """Add a note to an error raised below a wrapper by the wrapped original alone (no frame of
+    qwen35_accel between the wrapper and the raise), so a reader does not blame the plugin."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tb = error.__traceback__.tb_next if error.__traceback__ is not None else None  # below this wrapper
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package + os.sep):
+            return  # a patch point of ours ran below: not only Accelerate's
+        tb = tb.tb_next
+    error.add_note(f"(raised by {where}; the qwen35_accel wrapper above it in the traceback only called it)")
 
 
 def prepare_extra_model(accelerator: Any, model: nn.Module, *, register: bool) -> nn.Module:

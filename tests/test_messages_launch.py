@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qwen35_accel.testing.launch import CONFIGS, RECIPE, accelerate_launch_command, describe, run_launch
-from test_trainer_launch import COMMON, PREPARED, losses
+from test_trainer_launch import COMMON, PREPARED, losses, save_tiny_llama
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -19,14 +19,8 @@ TOKENIZER = str(RECIPE.parent / "configs" / "tokenizer")
 
 
 def test_an_unknown_setting_warns_in_a_llama_run_and_stops_a_qwen35_run(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
     llama = tmp_path / "llama"
-    LlamaForCausalLM(
-        LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, eos_token_id=256, pad_token_id=256)
-    ).save_pretrained(llama)
+    save_tiny_llama(llama)
     stray = {"QWEN35_ACCEL_FOO": "1"}
     out = tmp_path / "llama_out"
     result = run_launch(

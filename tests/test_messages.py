@@ -106,7 +106,7 @@ def _checkpointing_worker(rank: int, world: int, ours: bool, cp: int) -> None:
             assert "activation checkpointing: qwen35_accel's (each decoder layer; Transformers' gradient " \
                    "checkpointing was on too and is turned off" in line, line
         else:
-            assert "activation checkpointing: Transformers' gradient checkpointing (3 decoder layers)" in line, line
+            assert "activation checkpointing: Transformers' gradient checkpointing (3 of 3 decoder layers)" in line, line
 
     # Calls of a decoder layer's MLP per training step: 1 without checkpointing, 2 when the layer
     # is checkpointed once (forward + recompute), 3 when checkpointed twice. A pre-hook: a

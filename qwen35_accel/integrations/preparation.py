@@ -208,38 +208,40 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
     return model
 
 
-def _transformers_checkpointed_layers(model: nn.Module) -> list[nn.Module]:
-    """The modules whose Transformers gradient checkpointing is on (`gradient_checkpointing_enable()`,
-    the Trainer's `gradient_checkpointing` / `activation_checkpointing`, TRL's default): each
-    `GradientCheckpointingLayer` then checkpoints its own call while training."""
-    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-
-
 def _one_activation_checkpointing(model: nn.Module, ours: bool) -> str:
     """Which checkpointing the decoder layers get, for the prepared line; never two at once.
 
-    With the FSDP plugin's `activation_checkpointing` the parallelizer checkpoints each
-    decoder layer; if Transformers' gradient checkpointing is on as well (a custom loop that
-    called `gradient_checkpointing_enable()`; the Trainer refuses both itself), every layer
-    would be checkpointed twice and its forward run three times per step for nothing. Ours
-    wins, as the Trainer's own rule has it ("use FSDP's activation checkpointing when using
-    FSDP"): it is the one the Accelerate config asked for, and it is applied to the same
-    layers before FSDP2, so only the flags of Transformers' are turned off.
+    Transformers' gradient checkpointing (`gradient_checkpointing_enable()`, the Trainer's
+    `gradient_checkpointing` / `activation_checkpointing`, TRL's default) sets a
+    `gradient_checkpointing` flag on each `GradientCheckpointingLayer`, which then
+    checkpoints its own call while training. With the FSDP plugin's
+    `activation_checkpointing` the parallelizer checkpoints each decoder layer as well; both
+    at once (a custom loop; the Trainer refuses both itself) would checkpoint a layer twice,
+    which a reentrant inner checkpoint pays with a third forward. Ours wins, as the
+    Trainer's own rule has it ("use FSDP's activation checkpointing when using FSDP"): it is
+    the one the Accelerate config asked for, so the decoder layers' flags are turned off
+    (other flagged modules, e.g. vision blocks, keep Transformers' checkpointing).
     """
-    flagged = _transformers_checkpointed_layers(model)
+    from ..model.detect import qwen35_parts
+
+    parts = qwen35_parts(model)
+    layers = parts.decoder_layers
+    flagged = [layer for layer in layers if getattr(layer, "gradient_checkpointing", False) is True]
+    others = [block for block in parts.vision_blocks if getattr(block, "gradient_checkpointing", False) is True]
+    also = f"; Transformers' gradient checkpointing on {len(others)} vision blocks" if others else ""
     if ours:
-        if not flagged:
-            return "qwen35_accel's (each decoder layer)"
-        for module in flagged:
-            module.gradient_checkpointing = False
-        return (
-            "qwen35_accel's (each decoder layer; Transformers' gradient checkpointing was on too and is turned off, "
-            "so no layer is checkpointed twice)"
-        )
-    layers = [m for m in flagged if type(m).__name__.endswith("DecoderLayer")]
+        for layer in flagged:
+            layer.gradient_checkpointing = False
+        if flagged:
+            return (
+                "qwen35_accel's (each decoder layer; Transformers' gradient checkpointing was on too and is turned off "
+                f"on them, so no layer is checkpointed twice{also})"
+            )
+        return f"qwen35_accel's (each decoder layer{also})"
     if flagged:
-        return f"Transformers' gradient checkpointing ({len(layers)} decoder layers)"
-    return "none"
+        blocks = f", {len(others)} vision blocks" if others else ""
+        return f"Transformers' gradient checkpointing ({len(flagged)} of {len(layers)} decoder layers{blocks})"
+    return f"none{also}"
 
 
 def fsdp2_prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:

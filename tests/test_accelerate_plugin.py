@@ -32,7 +32,7 @@ def test_settings_defaults_env_and_errors():
     with pytest.raises(ValueError, match=r"QWEN35_ACCEL_CPU_FSDP='maybe': expected one of \[.*'0'.*'true'"):
         PluginSettings.from_env({"QWEN35_ACCEL_CPU_FSDP": "maybe"})
     with pytest.raises(ValueError, match=r"unknown setting\(s\) \['QWEN35_ACCEL_CPUFSDP'\]; qwen35_accel reads \[.*'QWEN35_ACCEL_CPU_FSDP'"):
-        PluginSettings.from_env({"QWEN35_ACCEL_CPUFSDP": "1"})
+        PluginSettings.from_env({"QWEN35_ACCEL_CPUFSDP": "1"}, strict=True)
 
 
 def test_patch_points_install_idempotently_restore_and_respect_the_version_guard(monkeypatch):

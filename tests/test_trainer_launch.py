@@ -149,15 +149,20 @@ def test_resume_from_checkpoint_continues_with_the_uninterrupted_losses(tmp_path
     torch.testing.assert_close(torch.tensor(losses(resumed)[-2:]), torch.tensor(losses(full)[-2:]), rtol=1e-5, atol=0)
 
 
-def test_other_models_keep_accelerates_own_fsdp2_path_through_the_same_launch(tmp_path):
+def save_tiny_llama(path: Path) -> None:
+    """A tiny random Llama (the recipe's byte-level tokenizer fits it): a model the plugin leaves alone."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    llama_dir = tmp_path / "llama"
     LlamaForCausalLM(
         LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, eos_token_id=256, pad_token_id=256)
-    ).save_pretrained(llama_dir)
+    ).save_pretrained(path)
+
+
+def test_other_models_keep_accelerates_own_fsdp2_path_through_the_same_launch(tmp_path):
+    llama_dir = tmp_path / "llama"
+    save_tiny_llama(llama_dir)
     out = tmp_path / "llama_out"
     result = launch(
         "cpu_fsdp2.yaml", out, "--model_name_or_path", str(llama_dir),

@@ -204,11 +204,26 @@ def _why_not_active(version: str | None, supported: bool) -> str:
 def accelerator_init(original: Callable[..., Any]) -> Callable[..., Any]:
     """`Accelerator.__init__`: then apply the deferred patch points whose modules are imported
     by now (a Trainer subclass such as TRL's `DPOTrainer` prepares its reference model right
-    after creating the accelerator, before any `prepare` call)."""
+    after creating the accelerator, before any `prepare` call).
+
+    Before the original runs, the one parallelism layout Accelerate refuses with advice that
+    contradicts itself (replicate-only data parallelism with cp or tp > 1) is refused here with
+    the layouts that work (`parallelism_layouts.replicate_only_refusal`). An error the original
+    raises by itself is Accelerate's: it passes through this frame unchanged but for a note
+    saying so (Python cannot drop a caller's frame from a traceback)."""
+    from .notices import note_if_not_ours
+    from .parallelism_layouts import replicate_only_refusal
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
+        refusal = replicate_only_refusal(kwargs.get("parallelism_config"))
+        if refusal is not None:
+            raise refusal
+        try:
+            original(self, *args, **kwargs)
+        except Exception as error:
+            note_if_not_ours(error, "Accelerate's own Accelerator.__init__")
+            raise
         install()
 
     return wrapper

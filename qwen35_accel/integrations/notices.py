@@ -20,3 +20,16 @@ def warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, stacklevel=3)
+
+
+def note_if_not_ours(error: BaseException, where: str) -> None:
+    """Add a note to an error raised below a wrapper by the wrapped original alone (no frame of
+    qwen35_accel between the wrapper and the raise), so a reader does not blame the plugin."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tb = error.__traceback__.tb_next if error.__traceback__ is not None else None  # below this wrapper
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package + os.sep):
+            return  # a patch point of ours ran below: not only Accelerate's
+        tb = tb.tb_next
+    error.add_note(f"(raised by {where}; the qwen35_accel wrapper above it in the traceback only called it)")
+

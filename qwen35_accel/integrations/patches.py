@@ -23,8 +23,9 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     ),
     PatchPoint(
         "accelerate.accelerator", "Accelerator.__init__", activation.accelerator_init, ACCELERATE,
-        "every model: then the deferred points whose modules are imported by now (a Trainer subclass may prepare a "
-        "reference model before any prepare call)",
+        "every model: refuses dp_replicate > 1 with dp_shard 1 and cp/tp > 1 before Accelerate does, naming the "
+        "layouts that work; then the deferred points whose modules are imported by now (a Trainer subclass may "
+        "prepare a reference model before any prepare call)",
     ),
     PatchPoint(
         "accelerate.accelerator", "Accelerator.prepare", several_models.prepare, ACCELERATE,

@@ -38,6 +38,8 @@ def prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
             # Parameter objects themselves are kept, so the optimizer stays valid.
             install_fp32_gate(model)
             _present_layer_classes_only(self.state.fsdp_plugin, model)
+        elif model is not None and _is_qwen35_moe(model):
+            main_process_note(_moe_note(self.state.fsdp_plugin, model))
         result = original(self, *args)
         if model is not None and getattr(model, "_qwen35_accel_prepared", False):
             _register_tensor_parallel_optimizers(model, result if isinstance(result, (tuple, list)) else (result,))
@@ -68,6 +70,39 @@ def _present_layer_classes_only(plugin: Any, model: nn.Module) -> None:
         names = [n for n in getattr(model, "_no_split_modules", None) or [] if n in present]
         if names:
             plugin.transformer_cls_names_to_wrap = names
+
+
+def _is_qwen35_moe(model: nn.Module) -> bool:
+    """A Qwen3.5 MoE model (`Qwen3_5MoeForCausalLM`, `…ForConditionalGeneration`, or PEFT around one)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None) in ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def _moe_note(plugin: Any, model: nn.Module) -> str:
+    """One line for a Qwen3.5 MoE model: Accelerate's own path, and why it then fails if it will.
+
+    Not fixed here (invariant: every model but dense Qwen3.5 gets stock Accelerate): stock
+    Accelerate fails the same way with or without qwen35_accel, and the YAML key fixes it.
+    """
+    note = (
+        f"{type(model).__name__} is a Qwen3.5 MoE model: qwen35_accel prepares dense Qwen3.5 only, so Accelerate's own "
+        "FSDP2 path runs (no fp32 gate units, no qwen35_accel CP/TP)"
+    )
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    if getattr(plugin, "auto_wrap_policy", None) is not transformer_auto_wrap_policy:  # not TRANSFORMER_BASED_WRAP
+        return note
+    names = getattr(plugin, "transformer_cls_names_to_wrap", None) or getattr(model, "_no_split_modules", None) or []
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [n for n in names if n not in present]
+    if missing:
+        layers = [n for n in names if n in present] or ["Qwen3_5MoeDecoderLayer"]
+        note += (
+            f"; its wrap policy looks for {missing}, which this model lacks (Transformers lists the vision block in "
+            f"_no_split_modules of the text-only model too), so Accelerate will stop with 'Could not find the "
+            f"transformer layer class': add `fsdp_transformer_layer_cls_to_wrap: {','.join(layers)}` to fsdp_config"
+        )
+    return note
 
 
 def fsdp2_apply_ac(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -105,7 +140,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
 
     if isinstance(model, FSDPModule):
         return model
-    settings = PluginSettings.from_env()
+    settings = PluginSettings.from_env(strict=True)
     plugin = accelerator.state.fsdp_plugin
     if accelerator.mixed_precision != "no":
         for param in model.parameters():
@@ -134,6 +169,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
         if hasattr(model, "tie_weights"):
             model.tie_weights()
 
+    checkpointing = _one_activation_checkpointing(model, bool(plugin.activation_checkpointing))
     PARALLELIZER.apply(
         model,
         mesh,
@@ -173,9 +209,45 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
     main_process_note(
         f"{type(model).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
-        f"activation checkpointing={bool(plugin.activation_checkpointing)}"
+        f"activation checkpointing: {checkpointing}"
     )
     return model
+
+
+def _one_activation_checkpointing(model: nn.Module, ours: bool) -> str:
+    """Which checkpointing the decoder layers get, for the prepared line; never two at once.
+
+    Transformers' gradient checkpointing (`gradient_checkpointing_enable()`, the Trainer's
+    `gradient_checkpointing` / `activation_checkpointing`, TRL's default) sets a
+    `gradient_checkpointing` flag on each `GradientCheckpointingLayer`, which then
+    checkpoints its own call while training. With the FSDP plugin's
+    `activation_checkpointing` the parallelizer checkpoints each decoder layer as well; both
+    at once (a custom loop; the Trainer refuses both itself) would checkpoint a layer twice,
+    which a reentrant inner checkpoint pays with a third forward. Ours wins, as the
+    Trainer's own rule has it ("use FSDP's activation checkpointing when using FSDP"): it is
+    the one the Accelerate config asked for, so the decoder layers' flags are turned off
+    (other flagged modules, e.g. vision blocks, keep Transformers' checkpointing).
+    """
+    from ..model.detect import qwen35_parts
+
+    parts = qwen35_parts(model)
+    layers = parts.decoder_layers
+    flagged = [layer for layer in layers if getattr(layer, "gradient_checkpointing", False) is True]
+    others = [block for block in parts.vision_blocks if getattr(block, "gradient_checkpointing", False) is True]
+    also = f"; Transformers' gradient checkpointing on {len(others)} vision blocks" if others else ""
+    if ours:
+        for layer in flagged:
+            layer.gradient_checkpointing = False
+        if flagged:
+            return (
+                "qwen35_accel's (each decoder layer; Transformers' gradient checkpointing was on too and is turned off "
+                f"on them, so no layer is checkpointed twice{also})"
+            )
+        return f"qwen35_accel's (each decoder layer{also})"
+    if flagged:
+        blocks = f", {len(others)} vision blocks" if others else ""
+        return f"Transformers' gradient checkpointing ({len(flagged)} of {len(layers)} decoder layers{blocks})"
+    return f"none{also}"
 
 
 def fsdp2_prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -2,13 +2,16 @@
 
 Accelerate's YAML has no room for plugin settings, so the plugin reads these variables
 (set them in the shell, or in the launcher's environment). Invalid values raise
-ValueError naming the variable and the valid values.
+ValueError naming the variable and the valid values. An unknown `QWEN35_ACCEL_*` name
+(a misspelt knob) warns once per process; it raises only where the plugin acts on a
+dense Qwen3.5 model (`from_env(strict=True)`), so it never stops another model's run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 
 ENV_PREFIX = "QWEN35_ACCEL"
@@ -75,13 +78,25 @@ class PluginSettings:
         return ENV_PREFIX if field == "enabled" else f"{ENV_PREFIX}_{field.upper()}"
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> PluginSettings:
-        """Settings from `environ` (default `os.environ`); unknown `QWEN35_ACCEL_*` names raise too."""
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, strict: bool = False) -> PluginSettings:
+        """Settings from `environ` (default `os.environ`).
+
+        An unknown `QWEN35_ACCEL_*` name raises ValueError with `strict` (where the plugin
+        acts on a dense Qwen3.5 model, whose run it would silently configure otherwise than
+        the user meant), and otherwise warns once per process (stock paths: every other
+        model, `qwen35-accel env`).
+        """
         environ = os.environ if environ is None else environ
         known = {cls.env_name(f.name): f for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX + "_") and k not in known)
         if unknown:
-            raise ValueError(f"unknown setting(s) {unknown}; qwen35_accel reads {sorted(known)}")
+            message = f"unknown setting(s) {unknown}; qwen35_accel reads {sorted(known)}"
+            if strict:
+                raise ValueError(
+                    f"{message}. A misspelt name would leave its setting at the default for this Qwen3.5 model: "
+                    "correct or unset it"
+                )
+            _warn_unknown_once(unknown, message)
         values = {}
         for name, field in known.items():
             raw = environ.get(name)
@@ -89,6 +104,18 @@ class PluginSettings:
                 continue
             values[field.name] = _parse(name, field, raw)
         return cls(**values)
+
+
+_warned_unknown: set[tuple[str, ...]] = set()
+
+
+def _warn_unknown_once(unknown: list[str], message: str) -> None:
+    if tuple(unknown) not in _warned_unknown:
+        _warned_unknown.add(tuple(unknown))
+        warnings.warn(
+            f"qwen35_accel: {message}. Ignored here; a dense Qwen3.5 model prepared by the plugin refuses them.",
+            stacklevel=3,
+        )
 
 
 _CHOICES = {

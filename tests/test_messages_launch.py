@@ -1,0 +1,85 @@
+"""What a launch prints for models and settings the plugin does not take over.
+
+`accelerate launch --config_file accelerate_configs/cpu_fsdp2.yaml recipes/sft.py` with a
+stray `QWEN35_ACCEL_*` name, and with a Qwen3.5 MoE model.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from qwen35_accel.testing.launch import CONFIGS, RECIPE, accelerate_launch_command, describe, run_launch
+from test_trainer_launch import COMMON, PREPARED, losses, save_tiny_llama
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+TOKENIZER = str(RECIPE.parent / "configs" / "tokenizer")
+
+
+def test_an_unknown_setting_warns_in_a_llama_run_and_stops_a_qwen35_run(tmp_path):
+    llama = tmp_path / "llama"
+    save_tiny_llama(llama)
+    stray = {"QWEN35_ACCEL_FOO": "1"}
+    out = tmp_path / "llama_out"
+    result = run_launch(
+        accelerate_launch_command("cpu_fsdp2.yaml", RECIPE, *COMMON, "--output_dir", str(out), "--model_name_or_path",
+                                  str(llama), "--tokenizer_name_or_path", TOKENIZER, "--per_device_train_batch_size", "2"),
+        env=stray,
+    )
+    # Stock Accelerate's path for Llama, as without the stray name (it used to raise here).
+    assert result.returncode == 0, describe(result)
+    assert "unknown setting(s) ['QWEN35_ACCEL_FOO']" in result.stderr and PREPARED not in result.stderr
+    history = losses(out)
+    assert len(history) == 4 and history[-1] < history[0]
+
+    result = run_launch(
+        accelerate_launch_command("cpu_fsdp2.yaml", RECIPE, *COMMON, "--output_dir", str(tmp_path / "qwen35_out")),
+        env=stray,
+    )
+    assert result.returncode != 0 and PREPARED not in result.stderr, describe(result)
+    assert "ValueError: unknown setting(s) ['QWEN35_ACCEL_FOO']" in result.stderr, describe(result)
+
+
+def _tiny_moe(path) -> None:
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(0)
+    layers = 3
+    Qwen3_5MoeForCausalLM(
+        Qwen3_5MoeTextConfig(
+            vocab_size=264, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+            layer_types=["full_attention" if (i + 1) % 3 == 0 else "linear_attention" for i in range(layers)],
+            eos_token_id=256, pad_token_id=256,
+        )
+    ).save_pretrained(path)
+
+
+def test_a_qwen35_moe_model_is_told_it_takes_accelerates_path_and_how_its_wrap_policy_is_fixed(tmp_path):
+    moe = tmp_path / "moe"
+    _tiny_moe(moe)
+    args = (*COMMON, "--model_name_or_path", str(moe), "--tokenizer_name_or_path", TOKENIZER,
+            "--per_device_train_batch_size", "2")
+    result = run_launch(accelerate_launch_command("cpu_fsdp2.yaml", RECIPE, *args, "--output_dir", str(tmp_path / "a")))
+    assert result.returncode != 0, describe(result)
+    notes = [line for line in result.stderr.splitlines() if "Qwen3_5MoeForCausalLM is a Qwen3.5 MoE model" in line]
+    assert len(notes) == 1, describe(result)  # one line (global rank 0), before Accelerate's error
+    assert "Accelerate's own FSDP2 path runs" in notes[0]
+    assert "add `fsdp_transformer_layer_cls_to_wrap: Qwen3_5MoeDecoderLayer` to fsdp_config" in notes[0]
+    assert "Could not find the transformer layer class Qwen3_5MoeVisionBlock in the model." in result.stderr
+
+    # The fix the line names works (stock Accelerate's FSDP2 on the MoE model).
+    config = tmp_path / "moe.yaml"
+    config.write_text((CONFIGS / "cpu_fsdp2.yaml").read_text().replace(
+        "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n",
+        "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: Qwen3_5MoeDecoderLayer\n",
+    ))
+    out = tmp_path / "b"
+    result = run_launch(accelerate_launch_command(str(config), RECIPE, *args, "--output_dir", str(out)))
+    assert result.returncode == 0, describe(result)
+    assert "Qwen3.5 MoE model" in result.stderr and "fsdp_transformer_layer_cls_to_wrap" not in result.stderr
+    history = losses(out)
+    assert len(history) == 4 and history[-1] < history[0]

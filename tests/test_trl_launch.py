@@ -70,8 +70,11 @@ def padded(tmp_path_factory) -> Path:
         ("cpu_fsdp2_cp2.yaml", "padded", "4", {}, 0),
         ("cpu_fsdp2_dp2_cp2.yaml", "padded", "2", {}, 0),
         ("cpu_fsdp2_tp2.yaml", "padded", "2", {}, 0),
+        # The tiny model's lm_head is untied: split by vocab, TRL's fused head must combine the
+        # slices' log-probs, entropy and top-1 over the tp group.
+        ("cpu_fsdp2_tp2.yaml", "padded", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}, 0),
     ],
-    ids=["fsdp2-padding-free", "cp2-padding-free", "cp2", "dp2xcp2", "dp2xtp2"],
+    ids=["fsdp2-padding-free", "cp2-padding-free", "cp2", "dp2xcp2", "dp2xtp2", "dp2xtp2-vocab-parallel"],
 )
 def test_sft_trainer_logs_what_one_process_logs(padded, tmp_path, config, mode, per_device, env, extra_tokens):
     out = tmp_path / "run"

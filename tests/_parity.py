@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -85,3 +88,35 @@ def assert_params_match_after_adam(model: nn.Module, reference: nn.Module, *, lr
     ref = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         assert_close_after_adam(p, ref[hf_name(name)], f"param {name}", lr=lr, steps=steps)
+
+
+# Logged values that are not results of the run: wall clock, and the Trainer's FLOP estimate
+# (tokens × parameters as each rank holds them, summed over the ranks: differs under cp and tp).
+NOT_RESULTS = ("_runtime", "_per_second", "total_flos")
+# Logged counts and positions: equal, not close.
+COUNTS = ("step", "epoch", "learning_rate", "num_tokens", "eval_num_tokens", "num_input_tokens_seen")
+
+
+def log_history(out: Path) -> list[dict[str, float]]:
+    """The Trainer's per-step logs (`trainer_state.json` in the output directory `out`)."""
+    return json.loads((out / "trainer_state.json").read_text())["log_history"]
+
+
+def assert_same_log_history(got_dir: Path, want_dir: Path, rtol: float, atol: float = 0.0, extra_tokens: int = 0) -> None:
+    """Every entry and value the Trainer (and TRL) logged for `got_dir`'s run equals
+    `want_dir`'s (one process on the same global batch): counts exactly, means at
+    `rtol`/`atol`. `extra_tokens`: per step, how many tokens a token count may exceed the
+    reference by (a count that includes padding the reference does not have)."""
+    got, want = log_history(got_dir), log_history(want_dir)
+    assert [sorted(e) for e in got] == [sorted(e) for e in want], "different log entries"
+    for g, w in zip(got, want):
+        for key, expected in w.items():
+            where = f"step {w['step']} {key}: got {g[key]}, one process {expected}"
+            if any(part in key for part in NOT_RESULTS):
+                continue
+            if key in COUNTS and extra_tokens and key.endswith("num_tokens"):
+                assert 0 <= g[key] - expected <= extra_tokens * w["step"], where
+            elif key in COUNTS:
+                assert g[key] == expected, where
+            else:
+                torch.testing.assert_close(g[key], expected, rtol=rtol, atol=atol, msg=where)

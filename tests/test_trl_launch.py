@@ -1,7 +1,17 @@
-"""TRL's `SFTTrainer`, unchanged (tests/scripts/trl_sft.py), through `accelerate launch` with
-padding-free batches and with packing, against one process.
+"""TRL's `SFTTrainer`, unchanged (tests/scripts/trl_sft.py), through `accelerate launch`
+against one process on the same global batch: every value TRL and the Trainer log per step
+(`trainer_state.json`, training and evaluation) — the loss, grad norm, TRL's `entropy`,
+`mean_token_accuracy` and `num_tokens`, `eval_loss` and TRL's eval metrics.
 
-Padding-free rows hold the same examples as padded batches, so the oracle is the padded
+TRL sums per-rank counts (label tokens, top-1 hits, entropy, attention mask) through
+`Accelerator.gather_for_metrics`: under CP every cp rank holds other tokens of the same
+rows, so those sums must span every process (stock gathering), while the evaluation loop's
+own gathering (losses, predictions) must count each row once. With the old patch of
+`gather_for_metrics` (data-parallel ranks only, for every caller) cp 2 padding-free logged
+`mean_token_accuracy` [0, 0.136, 0.182, 0.154] against [0, 0.071, 0.151, 0.261] and
+`num_tokens` 304 against 600 after 4 steps; dp 2 × tp 2 `num_tokens` 299 against 600.
+
+Padding-free rows hold the same examples as padded batches, so their oracle is the padded
 single-process run of unmodified Transformers + TRL. Packed rows (TRL's BFD packing) have
 no padded equivalent; their oracle is one process whose GatedDeltaNet layers compute
 packed rows document by document (`install_fp32_gate`, checked against the unmodified
@@ -11,30 +21,33 @@ parallelism by its own check; padding-free batches it passes, and they run under
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
-import torch
+from _parity import assert_same_log_history, log_history
 
 from qwen35_accel.testing.launch import REPO, accelerate_launch_command, describe, run_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SCRIPT = REPO / "tests" / "scripts" / "trl_sft.py"
 
 
-def _run(command: list[str]) -> None:
-    result = run_launch(command)
+def _run(command: list[str], env: dict[str, str] | None = None) -> None:
+    result = run_launch(command, env=env)
     assert result.returncode == 0, describe(result)
     assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
 
 
-def _history(out: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
-    assert len(logged) == 4
-    return torch.tensor([e["loss"] for e in logged]), torch.tensor([e["grad_norm"] for e in logged])
+def assert_same_log(got: Path, want: Path, rtol: float, extra_tokens: int = 0) -> None:
+    """Every logged value equal to one process's, and every metric there: 4 training steps,
+    2 evaluations."""
+    logged = log_history(want)
+    assert sum("mean_token_accuracy" in e for e in logged) == 4 and sum("eval_mean_token_accuracy" in e for e in logged) == 2
+    losses = [e["loss"] for e in logged if "loss" in e]
+    assert losses[-1] < losses[0] and any(e.get("mean_token_accuracy", 0) > 0 for e in logged)  # it trained
+    assert_same_log_history(got, want, rtol=rtol, extra_tokens=extra_tokens)
 
 
 def single(out: Path, mode: str, *flags: str) -> Path:
@@ -48,26 +61,39 @@ def padded(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize(
-    "config,per_device,rtol",
-    # fp32 rtol 1e-5: FSDP2's reduction order; rtol 1e-4 under CP: per-chunk partials
-    # reduced over cp, carried through 4 SGD steps at lr 0.3 (as in test_trainer_launch).
-    [("cpu_fsdp2.yaml", "2", 1e-5), ("cpu_fsdp2_cp2.yaml", "4", 1e-4)],
-    ids=["fsdp2", "cp2"],
+    "config,mode,per_device,env,extra_tokens",
+    [
+        ("cpu_fsdp2.yaml", "padding_free", "2", {}, 0),
+        # TRL counts a padding-free batch's tokens as its row length, which here includes the
+        # up to 2·cp - 1 tokens the Trainer patch point pads the row with (not yet subtracted).
+        ("cpu_fsdp2_cp2.yaml", "padding_free", "4", {}, 3),
+        ("cpu_fsdp2_cp2.yaml", "padded", "4", {}, 0),
+        ("cpu_fsdp2_dp2_cp2.yaml", "padded", "2", {}, 0),
+        ("cpu_fsdp2_tp2.yaml", "padded", "2", {}, 0),
+        # The tiny model's lm_head is untied: split by vocab, TRL's fused head must combine the
+        # slices' log-probs, entropy and top-1 over the tp group.
+        ("cpu_fsdp2_tp2.yaml", "padded", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}, 0),
+    ],
+    ids=["fsdp2-padding-free", "cp2-padding-free", "cp2", "dp2xcp2", "dp2xtp2", "dp2xtp2-vocab-parallel"],
 )
-def test_sft_trainer_padding_free_trains_as_padded_batches_in_one_process(padded, tmp_path, config, per_device, rtol):
-    out = tmp_path / "padding_free"
-    _run(accelerate_launch_command(config, SCRIPT, str(out), "padding_free", per_device))
-    (got_loss, got_norm), (want_loss, want_norm) = _history(out), _history(padded)
-    assert got_loss[-1] < got_loss[0]
-    torch.testing.assert_close(got_loss, want_loss, rtol=rtol, atol=0)
-    torch.testing.assert_close(got_norm, want_norm, rtol=rtol, atol=0)
+def test_sft_trainer_logs_what_one_process_logs(padded, tmp_path, config, mode, per_device, env, extra_tokens):
+    out = tmp_path / "run"
+    _run(accelerate_launch_command(config, SCRIPT, str(out), mode, per_device), env)
+    # fp32 rtol 1e-5: FSDP2's (and cp's, tp's) reduction order.
+    assert_same_log(out, padded, rtol=1e-5, extra_tokens=extra_tokens)
 
 
-def test_sft_trainer_packing_trains_as_one_process_computing_each_document_alone(tmp_path):
+def test_sft_trainer_with_lora_logs_what_one_process_logs(tmp_path):
+    reference = single(tmp_path / "reference", "padded", "--lora")
+    out = tmp_path / "cp2"
+    _run(accelerate_launch_command("cpu_fsdp2_cp2.yaml", SCRIPT, str(out), "padded", "4", "--lora"))
+    # fp32 rtol 1e-5: as above.
+    assert_same_log(out, reference, rtol=1e-5)
+
+
+def test_sft_trainer_packing_logs_what_one_process_computing_each_document_alone_logs(tmp_path):
     reference = single(tmp_path / "reference", "packing", "--packing_hook")
     out = tmp_path / "packing"
     _run(accelerate_launch_command("cpu_fsdp2.yaml", SCRIPT, str(out), "packing", "2"))
-    (got_loss, got_norm), (want_loss, want_norm) = _history(out), _history(reference)
     # fp32 rtol 1e-5: FSDP2's reduction order.
-    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
-    torch.testing.assert_close(got_norm, want_norm, rtol=1e-5, atol=0)
+    assert_same_log(out, reference, rtol=1e-5)

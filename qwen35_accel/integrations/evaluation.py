@@ -5,13 +5,19 @@ Two things go wrong with stock Accelerate and the Trainer once ranks share a bat
 - Accelerate's data loader gives ranks that differ only in their cp or tp coordinate the
   same batch (`process_index // (tp * cp)`), but `gather_for_metrics` gathers over every
   process: each row comes back tp·cp times (and the last batch's `remainder` truncation then
-  keeps duplicates instead of rows). `gather_for_metrics` below gathers over the data-parallel
-  ranks only (`gather_over_data_parallel`).
+  keeps duplicates instead of rows). `evaluation_loop` below gathers the loop's losses,
+  predictions, labels and inputs over the data-parallel ranks only (`gather_over_data_parallel`),
+  through the trainer's `gather_function` for the duration of the loop. Every other caller of
+  `gather_for_metrics` keeps stock gathering over every process: TRL sums per-rank token
+  counts through it, which under CP must include every cp rank (each holds other tokens of
+  the same rows) and under TP are divided by the tp size by TRL itself.
 - Under CP a forward returns this rank's sequence chunks (`[batch, seq / cp, vocab]` in the
   zigzag layout); with a vocab-parallel lm_head its vocab slice. `prediction_step` below
   assembles the whole logits (`[batch, seq, vocab]`, trimmed to the batch's own length) on
   every rank of the group, and runs label-less batches (`predict` on unlabeled data) through
-  the CP context too (stock runs them unsharded).
+  the CP context too (stock runs them unsharded). TRL's `SFTTrainer` overrides
+  `prediction_step` without the CP context; `evaluation_loop` runs its loss-only evaluation
+  inside it (`_sft_prediction_step`).
 
 Memory: the assembled logits are what one process holds for the batch (batch × seq × vocab
 in the logits' dtype) on every cp/tp rank, transiently, before `preprocess_logits_for_metrics`
@@ -30,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.mesh import has_dim
+from .several_models import trl_trainer
 
 
 def _prepared_qwen35(model: nn.Module) -> nn.Module | None:
@@ -90,31 +97,31 @@ def gather_over_data_parallel(data: Any, group: dist.ProcessGroup | None, use_ga
     return recursively_apply(gather, data, error_on_other_type=True)
 
 
-def gather_for_metrics(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def wrapper(self: Any, input_data: Any, use_gather_object: bool = False) -> Any:
-        group = _data_parallel_group(self)
-        if group is _STOCK:
-            return original(self, input_data, use_gather_object=use_gather_object)
-        from accelerate.utils import recursively_apply
+def _gather_rows_once(accelerator: Any, input_data: Any, use_gather_object: bool = False) -> Any:
+    """`accelerator.gather_for_metrics` with the ranks that share a batch counted once:
+    gathered over the data-parallel ranks, the last batch cut to its rows as stock does.
+    Decided per call: `evaluate()` before training prepares the model inside the loop."""
+    from accelerate.utils import recursively_apply
 
-        try:
-            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
-            all_tensors = True
-        except TypeError:
-            all_tensors = False
-        use_object = use_gather_object or not all_tensors
-        data = gather_over_data_parallel(input_data, group, use_object)
-        # As stock: the last batch of a sized dataset is cut to the rows that exist (the
-        # data loader's `remainder` counts rows over the data-parallel ranks).
-        remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else 0
-        if remainder <= 0:
-            return data
-        if use_object:
-            return data[:remainder]
-        return recursively_apply(lambda t: t[:remainder], data)
+    group = _data_parallel_group(accelerator)
+    if group is _STOCK:
+        return accelerator.gather_for_metrics(input_data, use_gather_object=use_gather_object)
 
-    return wrapper
+    try:
+        recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+        all_tensors = True
+    except TypeError:
+        all_tensors = False
+    use_object = use_gather_object or not all_tensors
+    data = gather_over_data_parallel(input_data, group, use_object)
+    # As stock: the last batch of a sized dataset is cut to the rows that exist (the
+    # data loader's `remainder` counts rows over the data-parallel ranks).
+    remainder = accelerator.gradient_state.remainder if accelerator.gradient_state.end_of_dataloader else 0
+    if remainder <= 0:
+        return data
+    if use_object:
+        return data[:remainder]
+    return recursively_apply(lambda t: t[:remainder], data)
 
 
 def _assemble_logits(model: nn.Module, logits: Any, cp_mesh: Any, local_seq: int | None, seq: int | None) -> Any:
@@ -222,32 +229,99 @@ def _preprocess_per_chunk(fn: Callable[..., Any], logits: Any, labels: Any, cp_m
 
 
 def evaluation_loop(original: Callable[..., Any]) -> Callable[..., Any]:
-    """`Trainer.evaluation_loop` with `QWEN35_ACCEL_CP_METRICS_PER_CHUNK=1` on a prepared
-    Qwen3.5 model under cp > 1: `preprocess_logits_for_metrics` runs on each rank's chunks
-    (in `prediction_step`) instead of on the assembled whole-sequence logits."""
+    """`Trainer.evaluation_loop` on a prepared Qwen3.5 model under cp or tp > 1: the loop's
+    `gather_function` (losses, predictions, labels, inputs) gathers over the data-parallel
+    ranks only, each row once; with `QWEN35_ACCEL_CP_METRICS_PER_CHUNK=1` under cp > 1,
+    `preprocess_logits_for_metrics` runs on each rank's chunks (in `prediction_step`)
+    instead of on the assembled whole-sequence logits."""
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         from ..parallel.context_parallel.model import context_parallel_mesh
         from .settings import PluginSettings
 
+        gather_function = self.gather_function
+        bound = getattr(gather_function, "func", gather_function)
+        # Only the Trainer's `gather_for_metrics` (Seq2SeqTrainer binds `gather` for generation).
+        rows_once = getattr(bound, "__self__", None) is self.accelerator and bound.__name__ == "gather_for_metrics"
+        if rows_once:
+            # Stock binds `use_gather_object=args.eval_use_gather_object` once, at __init__, and
+            # rebinds the plain `gather_for_metrics` after each loop: follow what is bound now.
+            use_gather_object = getattr(gather_function, "keywords", {}).get("use_gather_object", False)
+            self.gather_function = functools.partial(_gather_rows_once, self.accelerator, use_gather_object=use_gather_object)
+        # TRL's SFTTrainer overrides `prediction_step` without the CP context (stock Trainer's
+        # has it): bound on the instance for the loop, as `gather_function`.
+        sft_step = "prediction_step" not in vars(self) and trl_trainer(self, ("SFTTrainer",)) is not None
+        if sft_step:
+            self.prediction_step = functools.partial(_sft_prediction_step, self, self.prediction_step)
         user_fn = self.preprocess_logits_for_metrics
         qwen = _prepared_qwen35(self.model_wrapped) or _prepared_qwen35(self.model)
-        if (
-            user_fn is None
-            or isinstance(user_fn, PerChunkPreprocess)
-            or qwen is None
-            or context_parallel_mesh(qwen) is None
-            or not PluginSettings.from_env().cp_metrics_per_chunk
-        ):
-            return original(self, *args, **kwargs)
-        self.preprocess_logits_for_metrics = PerChunkPreprocess(user_fn)
+        per_chunk = (
+            user_fn is not None
+            and not isinstance(user_fn, PerChunkPreprocess)
+            and qwen is not None
+            and context_parallel_mesh(qwen) is not None
+            and PluginSettings.from_env().cp_metrics_per_chunk
+        )
+        if per_chunk:
+            self.preprocess_logits_for_metrics = PerChunkPreprocess(user_fn)
         try:
             return original(self, *args, **kwargs)
         finally:
-            self.preprocess_logits_for_metrics = user_fn
+            if per_chunk:
+                self.preprocess_logits_for_metrics = user_fn
+            if sft_step:
+                del self.prediction_step
+            if getattr(self.gather_function, "func", None) is _gather_rows_once:
+                self.gather_function = gather_function  # the loop raised before stock rebinds `gather_for_metrics`
 
     return wrapper
+
+
+def _sft_prediction_step(
+    trainer: Any,
+    original: Callable[..., Any],
+    model: nn.Module,
+    inputs: dict[str, Any],
+    prediction_loss_only: bool,
+    ignore_keys: list[str] | None = None,
+) -> tuple[Any, Any, Any]:
+    """TRL `SFTTrainer.prediction_step` on a prepared Qwen3.5 model under cp > 1, loss only (what
+    `evaluate()` asks for without `compute_metrics`): run inside the CP context (TRL's override
+    runs the whole sequence, which the CP model refuses); the loss TRL's per-token mean over
+    the label tokens of the whole batch (each rank's is over its own chunks'). TRL's entropy
+    and accuracy sum their counts over every process themselves."""
+    from ..parallel.context_parallel.model import context_parallel_mesh
+
+    qwen = _prepared_qwen35(model)
+    cp_mesh = context_parallel_mesh(qwen) if qwen is not None else None
+    if cp_mesh is None or not isinstance(inputs, Mapping) or inputs.get("input_ids") is None:
+        return original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+    unsupported = [
+        what
+        for what, given in (
+            ("compute_metrics (TRL recomputes the logits, here this rank's chunks)", not prediction_loss_only),
+            ("a compute_loss_func", trainer.compute_loss_func is not None),
+            ("label smoothing", trainer.label_smoother is not None),
+            ("a batch without labels", inputs.get("labels") is None),
+        )
+        if given
+    ]
+    if unsupported:
+        raise NotImplementedError(
+            f"TRL's SFTTrainer evaluation under context parallelism (cp_size={cp_mesh.size()}) gives its loss, entropy "
+            f"and token accuracy; not supported here: {', '.join(unsupported)}. Evaluate without it, or with cp_size 1."
+        )
+    # The CP context shards its buffers in place: new tensor objects keep the caller's batch whole.
+    inputs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    cp_context, inputs = trainer._prepare_context_parallel_inputs(model, inputs)
+    with cp_context():
+        loss, _, _ = original(model, inputs, True, ignore_keys=ignore_keys)
+    # TRL: loss = -sum(log_probs) / max(label tokens, 1) over this rank's chunks (`shift_labels`).
+    counted = (inputs["shift_labels"] != -100).sum().to(loss.dtype)
+    total = torch.stack([loss.detach() * counted, counted])
+    dist.all_reduce(total, group=cp_mesh.get_group())
+    return total[0] / total[1].clamp(min=1), None, None
 
 
 def _has_labels_or_loss(trainer: Any, inputs: dict[str, Any]) -> bool:

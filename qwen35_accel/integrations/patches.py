@@ -61,11 +61,6 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "dense Qwen3.5 under tp > 1: the norm of the whole gradient (split parameters summed over the tp group)",
     ),
     PatchPoint(
-        "accelerate.accelerator", "Accelerator.gather_for_metrics", evaluation.gather_for_metrics, ACCELERATE,
-        "dense Qwen3.5 under cp or tp > 1: gathers over the data-parallel ranks only (ranks differing in cp/tp hold "
-        "the same batch; stock returns each row cp*tp times)",
-    ),
-    PatchPoint(
         "accelerate.accelerator", "load_fsdp_model", checkpoints.load_fsdp_model, ACCELERATE,
         "dense Qwen3.5 under tp > 1 with FULL_STATE_DICT (Accelerator.load_state): rank 0's file broadcast into the "
         "per-head slices (torch's full-state-dict loading copies full tensors into them)",
@@ -84,7 +79,10 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     ),
     PatchPoint(
         "transformers.trainer", "Trainer.evaluation_loop", evaluation.evaluation_loop, TRANSFORMERS,
-        "dense Qwen3.5 under cp > 1 with QWEN35_ACCEL_CP_METRICS_PER_CHUNK=1: preprocess_logits_for_metrics runs on "
+        "dense Qwen3.5 under cp or tp > 1: the loop's gather_function gathers over the data-parallel ranks only (ranks "
+        "differing in cp/tp hold the same batch; stock returns each row cp*tp times), every other gather_for_metrics "
+        "stays stock; under cp > 1 TRL SFTTrainer's loss-only prediction_step runs inside the CP context; with "
+        "QWEN35_ACCEL_CP_METRICS_PER_CHUNK=1: preprocess_logits_for_metrics runs on "
         "each rank's chunks (in prediction_step), not on the assembled logits",
     ),
     PatchPoint(

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.mesh import has_dim
-from .several_models import trl_trainer
+from .trl_trainers import trl_trainer
 
 
 def _prepared_qwen35(model: nn.Module) -> nn.Module | None:

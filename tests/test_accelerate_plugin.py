@@ -42,6 +42,7 @@ def test_patch_points_install_idempotently_restore_and_respect_the_version_guard
     import trl.trainer.grpo_trainer  # noqa: F401
     import trl.trainer.kto_trainer  # noqa: F401
     import trl.trainer.rloo_trainer  # noqa: F401
+    import trl.trainer.sft_trainer  # noqa: F401
     from accelerate.accelerator import Accelerator
 
     from qwen35_accel.integrations import accelerate as plugin

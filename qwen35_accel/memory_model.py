@@ -21,9 +21,10 @@ the step's options (`StepOptions`); nothing is built or run. Per rank:
 The activation and loss formulas were written from what saved-tensor hooks record on the
 unmodified Transformers model and on this package's CP/TP layers (`tests/test_memory_model.py`
 checks them within ±10 % on CPU). The GatedDeltaNet core and the causal conv depend on the
-kernel: "cpu" is torch's reference chunked rule (fp32 inside, per-chunk [64, 64] matrices
-kept) and Transformers' torch conv; "cuda" is FLA's `chunk_gated_delta_rule` and
-causal-conv1d, from what their autograd functions save (not measured here: no GPU).
+kernels: without FLA (and always on CPU) torch's reference chunked rule (fp32 inside,
+per-chunk [64, 64] matrices kept) and Transformers' torch conv; with FLA on CUDA, FLA's
+`chunk_gated_delta_rule` and causal-conv1d, from what their autograd functions save (not
+measured here: no GPU).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-Kernels = Literal["cpu", "cuda"]
+Device = Literal["cpu", "cuda"]
 OPTIMIZERS = ("adamw", "sgd", "none")
 # Optimizer state per trainable parameter, in units of the parameter's storage dtype.
 _OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}
@@ -148,7 +149,9 @@ class Parallel:
 class StepOptions:
     """One training step's choices. `seq_len`: tokens per sequence (whole, before CP);
     `compute_bytes`: the compute dtype's size (2 under bf16/fp16, else the storage's);
-    `param_bytes`: the storage dtype's size (4 under a bf16/fp16 policy: fp32 masters)."""
+    `param_bytes`: the storage dtype's size (4 under a bf16/fp16 policy: fp32 masters);
+    `device`: where the step runs; `fla`: on "cuda", whether FLA and causal-conv1d are
+    installed (the GatedDeltaNet kernels; without them Transformers' torch kernels run)."""
 
     seq_len: int
     batch_size: int = 1
@@ -161,7 +164,8 @@ class StepOptions:
     loss_tiles_alive: int = DEFAULT_LOSS_TILES_ALIVE
     forward_prefetch_depth: int = 1
     backward_prefetch_depth: int = 2
-    kernels: Kernels = "cuda"
+    device: Device = "cuda"
+    fla: bool = True
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -246,7 +250,7 @@ def fla_gated_delta_rule(tokens: int, k_heads: int, v_heads: int, k_dim: int, v_
     return tokens * (2 * k_heads * k_dim * i + 2 * k_heads * 4 + v_heads * v_dim * i + v_heads * (4 + i) + v_heads * CHUNK * i)
 
 
-def _gated_delta_net(shape: ModelShape, rows: int, tokens: int, c: int, parallel: Parallel, kernels: Kernels) -> int:
+def _gated_delta_net(shape: ModelShape, rows: int, tokens: int, c: int, parallel: Parallel, fla: bool) -> int:
     """One GatedDeltaNet mixer (no norms around it), this rank's heads."""
     tp, cp = parallel.tp, parallel.cp
     hv, hk, dk, dv = shape.v_heads // tp, shape.k_heads // tp, shape.k_dim, shape.v_dim
@@ -260,7 +264,7 @@ def _gated_delta_net(shape: ModelShape, rows: int, tokens: int, c: int, parallel
     total += tokens * value * (3 * 4 + 2 * c) + tokens * hv * 4
     total += tokens * value * c  # out_proj's input
     local = tokens // rows
-    if kernels == "cpu":
+    if not fla:
         halo = shape.conv_kernel - 1
         if cp == 1:  # Transformers' conv: its input, and the SiLU's input over seq + K − 1
             total += rows * conv_dim * (2 * local + halo) * c
@@ -289,7 +293,7 @@ def _cp_gated_delta_rule_cpu(rows: int, half: int, v_heads: int, k_dim: int, v_d
     return 2 * per_chunk + exchange
 
 
-def _attention(shape: ModelShape, rows: int, tokens: int, c: int, parallel: Parallel, kernels: Kernels) -> int:
+def _attention(shape: ModelShape, rows: int, tokens: int, c: int, parallel: Parallel, device: Device) -> int:
     """One gated full-attention mixer (no norms around it), this rank's heads."""
     tp, cp = parallel.tp, parallel.cp
     q, kv = shape.heads // tp * shape.head_dim, shape.kv_heads // tp * shape.head_dim
@@ -306,7 +310,7 @@ def _attention(shape: ModelShape, rows: int, tokens: int, c: int, parallel: Para
         total += tokens * q * c + tokens * heads * 4  # SDPA's output and log-sum-exp
     else:  # the all-gathered keys and values of the whole sequence
         total += 2 * tokens * cp * kv * c
-        if kernels == "cuda":  # on CPU the chunks' attention is recomputed in backward
+        if device != "cpu":  # on CPU the chunks' attention is recomputed in backward
             total += tokens * q * c + tokens * heads * 4
     return total
 
@@ -317,9 +321,9 @@ def layer_activations(shape: ModelShape, kind: str, parallel: Parallel, options:
     tokens = rows * options.seq_len // parallel.cp
     c = options.compute_bytes
     if kind == "linear_attention":
-        mixer = _gated_delta_net(shape, rows, tokens, c, parallel, options.kernels)
+        mixer = _gated_delta_net(shape, rows, tokens, c, parallel, options.fla and options.device == "cuda")
     else:
-        mixer = _attention(shape, rows, tokens, c, parallel, options.kernels)
+        mixer = _attention(shape, rows, tokens, c, parallel, options.device)
     return mixer + _mlp(shape, tokens, c, parallel.tp) + _norms_and_residuals(shape, tokens)
 
 
@@ -468,3 +472,45 @@ def longest_seq_len(shape: ModelShape, parallel: Parallel, options: StepOptions,
 
 def _replace(options: StepOptions, **changes: Any) -> StepOptions:
     return StepOptions(**{**asdict(options), **changes})
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def memory_report(
+    shape: ModelShape, parallel: Parallel, options: StepOptions, gpu_bytes: int | None = None, suggest: bool = False
+) -> dict[str, Any]:
+    """What `plan --json` carries: `memory_per_rank` (bytes), the step it assumes, and with
+    `gpu_bytes` whether it fits (`fits`, `margin_bytes` = gpu_bytes − total) and, with
+    `suggest`, `suggested_cp` (`suggest_cp`; None if no cp fits)."""
+    per_rank = estimate(shape, parallel, options).as_dict()
+    report: dict[str, Any] = {"memory_per_rank": per_rank, "memory_assumptions": asdict(options)}
+    if gpu_bytes is not None:
+        report.update(gpu_memory_bytes=gpu_bytes, fits=per_rank["total"] <= gpu_bytes, margin_bytes=gpu_bytes - per_rank["total"])
+        if suggest:
+            report["suggested_cp"] = suggest_cp(shape, parallel, options, gpu_bytes)
+    return report
+
+
+def describe(report: dict[str, Any], gpus: int) -> list[str]:
+    """`memory_report` as the lines `plan` prints."""
+    m, o = report["memory_per_rank"], report["memory_assumptions"]
+    loss = "tiled loss" if o["tiled_loss"] else "Transformers' loss"
+    kernels = "FLA/causal-conv1d" if o["fla"] and o["device"] == "cuda" else "torch"
+    lines = [
+        f"memory per rank (seq_len {o['seq_len']}, batch {o['batch_size']}, {o['optimizer']}, "
+        f"checkpointing {'on' if o['activation_checkpointing'] else 'off'}, {loss}, {kernels} GatedDeltaNet kernels):",
+        "  " + ", ".join(f"{key} {_gib(value)}" for key, value in m.items() if key != "total"),
+        f"  total {_gib(m['total'])}",
+    ]
+    if "fits" in report:
+        verdict = "fits" if report["fits"] else "does not fit"
+        lines.append(f"  {verdict} in {_gib(report['gpu_memory_bytes'])}: margin {_gib(report['margin_bytes'])}")
+    if "suggested_cp" in report:
+        cp = report["suggested_cp"]
+        lines.append(
+            f"  suggested: cp {cp} with activation checkpointing (the smallest that fits on {gpus} GPUs)" if cp
+            else f"  suggested: none: no cp on {gpus} GPUs fits, even with activation checkpointing"
+        )
+    return lines

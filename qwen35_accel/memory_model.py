@@ -171,7 +171,7 @@ class StepOptions:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}; pass one of them")
         if self.seq_len < 1 or self.batch_size < 1:
-            raise ValueError(f"seq_len {self.seq_len} and batch_size {self.batch_size} must be positive")
+            raise ValueError(f"seq_len {self.seq_len}, batch_size {self.batch_size}: both must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -401,12 +401,13 @@ def estimate(shape: ModelShape, parallel: Parallel, options: StepOptions) -> Mem
     params, largest_layer, tail = _parameter_counts(shape, parallel)
     p, c = options.param_bytes, options.compute_bytes
     # FSDP2 in flight: the running unit plus the prefetched ones (forward, or backward with the
-    # running unit's unsharded gradient in the reduce dtype), and the tail kept gathered.
+    # running unit's unsharded gradient, in c and copied to fp32 for the reduce-scatter), and
+    # the tail kept gathered; the tail's own gradient arrives with the loss's backward.
     gathered = max(
         (1 + options.forward_prefetch_depth) * largest_layer * c,
-        (1 + options.backward_prefetch_depth) * largest_layer * c + largest_layer * 4,
+        (1 + options.backward_prefetch_depth) * largest_layer * c + largest_layer * (c + 4),
     ) + tail * c
-    peaks = [_loss_transient(shape, parallel, options)]
+    peaks = [_loss_transient(shape, parallel, options) + tail * (c + 4)]
     if options.activation_checkpointing:
         peaks += [layer_activations(shape, kind, parallel, options) for kind, n in
                   (("linear_attention", shape.linear_layers), ("full_attention", shape.full_layers)) if n]
@@ -475,7 +476,8 @@ def _replace(options: StepOptions, **changes: Any) -> StepOptions:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """Bytes in GiB (MiB below 1 GiB: tiny models)."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def memory_report(
@@ -505,12 +507,13 @@ def describe(report: dict[str, Any], gpus: int) -> list[str]:
         f"  total {_gib(m['total'])}",
     ]
     if "fits" in report:
-        verdict = "fits" if report["fits"] else "does not fit"
-        lines.append(f"  {verdict} in {_gib(report['gpu_memory_bytes'])}: margin {_gib(report['margin_bytes'])}")
+        margin, budget = report["margin_bytes"], _gib(report["gpu_memory_bytes"])
+        lines.append(f"  fits in {budget}: {_gib(margin)} to spare" if report["fits"]
+                     else f"  does not fit in {budget}: {_gib(-margin)} over")
     if "suggested_cp" in report:
         cp = report["suggested_cp"]
         lines.append(
-            f"  suggested: cp {cp} with activation checkpointing (the smallest that fits on {gpus} GPUs)" if cp
+            f"  suggested: cp {cp} with activation checkpointing (the smallest that fits; dp_shard takes the rest of the {gpus} GPUs)" if cp
             else f"  suggested: none: no cp on {gpus} GPUs fits, even with activation checkpointing"
         )
     return lines

@@ -198,7 +198,7 @@ def loss_tile_tokens(vocab_local: int, tile_bytes: int = DEFAULT_LOSS_TILE_BYTES
     """Tokens per loss tile: as many as keep [tokens, vocab_local] fp32 logits within
     `tile_bytes`, rounded down to a multiple of 8 (at least 1)."""
     tokens = max(1, tile_bytes // (4 * vocab_local))
-    return max(1, tokens // 8 * 8) if tokens >= 8 else tokens
+    return tokens // 8 * 8 if tokens >= 8 else tokens
 
 
 # Activations: what one decoder layer keeps for backward (T tokens on this rank, batch rows B).

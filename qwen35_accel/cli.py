@@ -1,13 +1,16 @@
 """`qwen35-accel`: see what a launch will do, without GPUs or weights.
 
     qwen35-accel plan --model PATH|tiny --config accelerate_configs/X.yaml [--seq-len N] [--backend nccl|gloo] [--json]
+                      [--batch-size B] [--optimizer adamw|sgd|none] [--gpu-memory 141GB [--suggest]]
     qwen35-accel env [--json]
 
 `plan` builds the model on the meta device and runs the real parallelizer in one
 process over a fake process group of the config's world size (torch's "fake" backend:
 collectives are no-ops, shapes and placements are real), then reports the mesh, every
 FSDP2 unit per decoder layer (modules, storage/compute dtype, parameters, bytes per
-rank) and the context-parallel layout with its per-layer communication.
+rank), the context-parallel layout with its per-layer communication, and the memory per
+rank of a training step (`memory_model`): whether it fits `--gpu-memory`, and with
+`--suggest` the smallest cp that does.
 """
 
 from __future__ import annotations
@@ -153,9 +156,21 @@ def _unit_label(modules: list[str]) -> str:
     return label[-52:]
 
 
-def plan(model: str, config: str, seq_len: int = 4096, backend: str = "nccl") -> dict[str, Any]:
+def plan(
+    model: str,
+    config: str,
+    seq_len: int = 4096,
+    backend: str = "nccl",
+    *,
+    batch_size: int = 1,
+    optimizer: str = "adamw",
+    gpu_memory: int | None = None,
+    suggest: bool = False,
+) -> dict[str, Any]:
     """The plan as a dict (what `plan --json` prints); `backend` of the cp group (its
-    automatic state exchange depends on it)."""
+    automatic state exchange depends on it; nccl: the memory of a CUDA step, gloo: of a CPU
+    one); `gpu_memory` bytes per GPU for the verdict (`memory_model.memory_report`)."""
+    from . import memory_model
     import torch
     import torch.distributed as dist
     from accelerate.parallelism_config import ParallelismConfig
@@ -242,6 +257,20 @@ def plan(model: str, config: str, seq_len: int = 4096, backend: str = "nccl") ->
             other.append(unit)
     sharded_total = sum(u["bytes_all_ranks"] for u in units)
     compute_bytes = _DTYPE_BYTES.get(str(compute or storage).removeprefix("torch."), 4)
+    try:
+        step = memory_model.StepOptions(
+            seq_len=seq_len, batch_size=batch_size, compute_bytes=compute_bytes, optimizer=optimizer,
+            param_bytes=4 if compute is not None else _DTYPE_BYTES.get(str(storage).removeprefix("torch."), 4),
+            activation_checkpointing=bool(fsdp.get("fsdp_activation_checkpointing")),
+            tiled_loss=bool(getattr(settings, "tiled_loss", True)),
+            forward_prefetch_depth=settings.fsdp2_forward_prefetch_depth if settings.fsdp2_prefetch else 0,
+            backward_prefetch_depth=settings.fsdp2_backward_prefetch_depth if settings.fsdp2_prefetch else 0,
+            device="cuda" if backend == "nccl" else "cpu",
+        )
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    parallel = memory_model.Parallel(sizes["dp_replicate"], sizes["dp_shard"], sizes["cp"], sizes["tp"], settings.vocab_parallel_lm_head)
+    memory = memory_model.memory_report(memory_model.ModelShape.from_config(model_config), parallel, step, gpu_memory, suggest)
     return {
         "model": model if model == "tiny" else os.path.abspath(model),
         "architecture": type(net).__name__.removeprefix("FSDP"),
@@ -260,6 +289,7 @@ def plan(model: str, config: str, seq_len: int = 4096, backend: str = "nccl") ->
             text_config, sizes["cp"], sizes["tp"], seq_len, compute_bytes, settings.cp_state_exchange, backend
         ),
         "tensor_parallel": {"tp": sizes["tp"], "status": error or ("none" if sizes["tp"] == 1 else "applied")},
+        **memory,
         "seconds": round(time.perf_counter() - started, 2),
     }
 
@@ -320,6 +350,9 @@ def _print_plan(p: dict[str, Any]) -> None:
             f"{_human(cp['state_exchange_bytes_per_rank'])}, keeps {_human(cp['state_exchange_kept_bytes_per_rank'])} "
             "for backward per GatedDeltaNet layer"
         )
+    from .memory_model import describe
+
+    print("\n".join(describe(p, m["world"])))
     print(f"planned in {p['seconds']} s, nothing materialised (meta device)")
 
 
@@ -381,6 +414,22 @@ def _print_env(e: dict[str, Any]) -> None:
         print(f"  {row['variable']} (default {row['default']}): {row['meaning']}")
 
 
+def _memory_options(args: argparse.Namespace) -> int | None:
+    """Check the memory options before anything is built; return --gpu-memory in bytes."""
+    from .memory_model import StepOptions, parse_bytes
+
+    if args.suggest and args.gpu_memory is None:
+        raise PlanError("--suggest needs --gpu-memory (e.g. --gpu-memory 141GB)")
+    try:
+        StepOptions(seq_len=1, batch_size=args.batch_size, optimizer=args.optimizer)
+    except ValueError as error:
+        raise PlanError(f"--batch-size/--optimizer: {error}") from None
+    try:
+        return None if args.gpu_memory is None else parse_bytes(args.gpu_memory)
+    except ValueError as error:
+        raise PlanError(f"--gpu-memory {error}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qwen35-accel", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -391,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
                         help="the cp group's backend (CPU runs: gloo); the automatic state exchange depends on it")
     p_plan.add_argument("--json", action="store_true")
+    p_plan.add_argument("--batch-size", type=int, default=1, help="sequences per rank and step (micro-batch)")
+    p_plan.add_argument("--optimizer", default="adamw",
+                        help="adamw (default), sgd or none: state per parameter, AdamW two moments, SGD one momentum buffer")
+    p_plan.add_argument("--gpu-memory", help="memory per GPU, e.g. 141GB, 139.8GiB, 80000MB: says whether the step fits")
+    p_plan.add_argument("--suggest", action="store_true",
+                        help="with --gpu-memory: the smallest cp (activation checkpointing on) that fits on the config's GPUs")
     p_env = sub.add_parser("env", help="versions, plugin status, patch points, settings")
     p_env.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -399,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
     if args.command == "plan":
         try:
-            result = plan(args.model, args.config, args.seq_len, args.backend)
+            gpu_memory = _memory_options(args)
+            result = plan(args.model, args.config, args.seq_len, args.backend, batch_size=args.batch_size,
+                          optimizer=args.optimizer, gpu_memory=gpu_memory, suggest=args.suggest)
         except PlanError as error:
             print(f"qwen35-accel plan: {error}", file=sys.stderr)
             return 2

@@ -13,6 +13,8 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -232,3 +234,35 @@ def test_suggested_cp_is_the_smallest_that_fits():
     keys = estimate(shape, Parallel(dp_shard=8), options).as_dict()
     assert list(keys) == ["parameters", "gradients", "optimizer_states", "activations", "loss", "transient", "total"]
     assert keys["total"] == sum(v for k, v in keys.items() if k != "total")
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[1]
+    config = str(root / "accelerate_configs" / "cpu_fsdp2_dp2_cp2.yaml")
+    return subprocess.run([sys.executable, "-m", "qwen35_accel.cli", "plan", "--model", "tiny", "--config", config, *args],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+
+
+def test_plan_json_says_whether_it_fits_and_suggests_a_cp():
+    run = _plan("--seq-len", "1024", "--gpu-memory", "141GB", "--suggest", "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    p = json.loads(run.stdout)
+    memory = p["memory_per_rank"]
+    assert all(isinstance(v, int) for v in memory.values()) and memory["total"] == sum(memory.values()) - memory["total"]
+    assert p["fits"] and p["margin_bytes"] == 141 * 10**9 - memory["total"] and p["suggested_cp"] == 1
+    # The parameter bytes agree with the FSDP2 units the plan lays out (max over ranks: ±1 %).
+    assert abs(memory["parameters"] / p["bytes_per_rank_max"] - 1) < 0.01
+    assert p["memory_assumptions"]["device"] == "cuda" and p["memory_assumptions"]["seq_len"] == 1024
+    small = _plan("--seq-len", "1024", "--gpu-memory", "1MiB")
+    assert small.returncode == 0 and "does not fit in 1.00 MiB" in small.stdout, small.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--gpu-memory", "-1"), "--gpu-memory '-1' is not a memory size"),
+    (("--suggest",), "--suggest needs --gpu-memory"),
+    (("--optimizer", "adam"), "optimizer 'adam' is not one of adamw, sgd, none"),
+    (("--batch-size", "0"), "batch_size 0"),
+])
+def test_plan_refuses_bad_memory_options_in_one_line(args, message):
+    run = _plan(*args)
+    assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr

@@ -1,12 +1,14 @@
 """`qwen35-accel`: see what a launch will do, without GPUs or weights.
 
     qwen35-accel plan --model PATH|tiny --config accelerate_configs/X.yaml [--seq-len N] [--backend nccl|gloo] [--json]
+                      [--batch-size B] [--optimizer adamw|sgd|none] [--gpu-memory 141GB [--suggest]]
     qwen35-accel env [--json]
 
 Argument parsing only: `plan` (the `plan` module) builds the model on the meta device and
 runs the real parallelizer over a fake process group of the config's world size, then
 reports the mesh, every FSDP2 unit per decoder layer and the context-parallel layout with
-its per-layer communication; `env` (the `env` module) reports versions, the plugin's
+its per-layer communication, and the memory per rank of a training step (`memory_model`):
+whether it fits `--gpu-memory`, and with `--suggest` the smallest cp that does; `env` (the `env` module) reports versions, the plugin's
 activation, its patch points and settings.
 """
 
@@ -17,7 +19,7 @@ import json
 import sys
 
 from .env import env, print_env
-from .plan import PlanError, plan, print_plan
+from .plan import PlanError, memory_options, plan, print_plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
                         help="the cp group's backend (CPU runs: gloo); the automatic state exchange depends on it")
     p_plan.add_argument("--json", action="store_true")
+    p_plan.add_argument("--batch-size", type=int, default=1, help="sequences per rank and step (micro-batch)")
+    p_plan.add_argument("--optimizer", default="adamw",
+                        help="adamw (default), sgd or none: state per parameter, AdamW two moments, SGD one momentum buffer")
+    p_plan.add_argument("--gpu-memory", help="memory per GPU, e.g. 141GB, 139.8GiB, 80000MB: says whether the step fits")
+    p_plan.add_argument("--suggest", action="store_true",
+                        help="with --gpu-memory: the smallest cp (activation checkpointing on) that fits on the config's GPUs")
     p_env = sub.add_parser("env", help="versions, plugin status, patch points, settings")
     p_env.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -38,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
     if args.command == "plan":
         try:
-            result = plan(args.model, args.config, args.seq_len, args.backend)
+            gpu_memory = memory_options(args.gpu_memory, args.batch_size, args.optimizer, args.suggest)
+            result = plan(args.model, args.config, args.seq_len, args.backend, batch_size=args.batch_size,
+                          optimizer=args.optimizer, gpu_memory=gpu_memory, suggest=args.suggest)
         except PlanError as error:
             print(f"qwen35-accel plan: {error}", file=sys.stderr)
             return 2

@@ -147,12 +147,25 @@ def _unit_label(modules: list[str]) -> str:
     return label[-52:]
 
 
-def plan(model: str, config: str, seq_len: int = 4096, backend: str = "nccl") -> dict[str, Any]:
+def plan(
+    model: str,
+    config: str,
+    seq_len: int = 4096,
+    backend: str = "nccl",
+    *,
+    batch_size: int = 1,
+    optimizer: str = "adamw",
+    gpu_memory: int | None = None,
+    suggest: bool = False,
+) -> dict[str, Any]:
     """The plan as a dict (what `plan --json` prints); `backend` of the cp group (its
-    automatic state exchange depends on it)."""
+    automatic state exchange depends on it; nccl: the memory of a CUDA step, gloo: of a CPU
+    one); `gpu_memory` bytes per GPU for the verdict (`memory_model.memory_report`)."""
     import torch
     import torch.distributed as dist
     from accelerate.parallelism_config import ParallelismConfig
+
+    from . import memory_model
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoModelForCausalLM
 
@@ -236,6 +249,20 @@ def plan(model: str, config: str, seq_len: int = 4096, backend: str = "nccl") ->
             other.append(unit)
     sharded_total = sum(u["bytes_all_ranks"] for u in units)
     compute_bytes = _DTYPE_BYTES.get(str(compute or storage).removeprefix("torch."), 4)
+    try:
+        step = memory_model.StepOptions(
+            seq_len=seq_len, batch_size=batch_size, compute_bytes=compute_bytes, optimizer=optimizer,
+            param_bytes=4 if compute is not None else _DTYPE_BYTES.get(str(storage).removeprefix("torch."), 4),
+            activation_checkpointing=bool(fsdp.get("fsdp_activation_checkpointing")),
+            tiled_loss=settings.tiled_loss,
+            forward_prefetch_depth=settings.fsdp2_forward_prefetch_depth if settings.fsdp2_prefetch else 0,
+            backward_prefetch_depth=settings.fsdp2_backward_prefetch_depth if settings.fsdp2_prefetch else 0,
+            device="cuda" if backend == "nccl" else "cpu",
+        )
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    parallel = memory_model.Parallel(sizes["dp_replicate"], sizes["dp_shard"], sizes["cp"], sizes["tp"], settings.vocab_parallel_lm_head)
+    memory = memory_model.memory_report(memory_model.ModelShape.from_config(model_config), parallel, step, gpu_memory, suggest)
     return {
         "model": model if model == "tiny" else os.path.abspath(model),
         "architecture": type(net).__name__.removeprefix("FSDP"),
@@ -254,6 +281,7 @@ def plan(model: str, config: str, seq_len: int = 4096, backend: str = "nccl") ->
             text_config, sizes["cp"], sizes["tp"], seq_len, compute_bytes, settings.cp_state_exchange, backend
         ),
         "tensor_parallel": {"tp": sizes["tp"], "status": error or ("none" if sizes["tp"] == 1 else "applied")},
+        **memory,
         "seconds": round(time.perf_counter() - started, 2),
     }
 
@@ -315,4 +343,23 @@ def print_plan(p: dict[str, Any]) -> None:
             f"{_human(cp['state_exchange_bytes_per_rank'])}, keeps {_human(cp['state_exchange_kept_bytes_per_rank'])} "
             "for backward per GatedDeltaNet layer"
         )
+    from .memory_model import describe
+
+    print("\n".join(describe(p, m["world"])))
     print(f"planned in {p['seconds']} s, nothing materialised (meta device)")
+
+
+def memory_options(gpu_memory: str | None, batch_size: int, optimizer: str, suggest: bool) -> int | None:
+    """Check the memory options before anything is built; return `gpu_memory` in bytes."""
+    from .memory_model import StepOptions, parse_bytes
+
+    if suggest and gpu_memory is None:
+        raise PlanError("--suggest needs --gpu-memory (e.g. --gpu-memory 141GB)")
+    try:
+        StepOptions(seq_len=1, batch_size=batch_size, optimizer=optimizer)
+    except ValueError as error:
+        raise PlanError(f"--batch-size/--optimizer: {error}") from None
+    try:
+        return None if gpu_memory is None else parse_bytes(gpu_memory)
+    except ValueError as error:
+        raise PlanError(f"--gpu-memory {error}") from None

@@ -1,0 +1,268 @@
+"""The memory model behind `plan` against what autograd really keeps for backward.
+
+Activation and loss bytes are measured with saved-tensor hooks (distinct storages,
+parameters excluded) on a tiny-but-wide Qwen3.5 under `PARALLELIZER.apply` in a gloo world
+of 2: cp 1 (dp_shard 2), cp 2, tp 2, each with activation checkpointing off and on, tp 2 with
+a vocab-parallel lm_head, and the tiled loss once `PARALLELIZER.apply` takes `tiled_loss`. Under checkpointing the
+layers' saved tensors are recomputed, so what stays is what the checkpoint holds: the
+tensors each checkpointed layer was called with (counted by a pre-hook).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _dist import run_world
+from qwen35_accel.memory_model import (
+    MemoryEstimate,
+    ModelShape,
+    Parallel,
+    StepOptions,
+    estimate,
+    loss_tile_tokens,
+    parse_bytes,
+    suggest_cp,
+)
+
+SHAPE = dict(
+    hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=48,
+    linear_conv_kernel_dim=4, vocab_size=8192,
+)
+SEQ = 256
+TOLERANCE = 0.10  # the issue's bound: the model is for deciding what fits, not byte accounting
+
+
+def _tiled_loss_available() -> bool:
+    from qwen35_accel import PARALLELIZER
+
+    return "tiled_loss" in inspect.signature(PARALLELIZER.apply).parameters
+
+
+Case = tuple[str, bool, bool]  # (layout, activation checkpointing, tiled loss)
+TRANSFORMERS_LOSS_CASES: list[Case] = [(layout, ac, False) for layout in ("cp1", "cp2", "tp2") for ac in (False, True)]
+TRANSFORMERS_LOSS_CASES.append(("tp2 vocab", True, False))
+# The loss does not depend on checkpointing: the tiled loss is measured with it on only.
+TILED_LOSS_CASES: list[Case] = [(layout, True, True) for layout in ("cp1", "cp2", "tp2", "tp2 vocab")]
+
+
+def _mesh(layout: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout == "cp1":
+        return init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard_cp",))
+    if layout == "cp2":
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard", "cp"))
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return mesh
+    return init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard_cp", "tp"))  # tp2, tp2 vocab
+
+
+def _measure(layout: str, ac: bool, tiled: bool) -> dict[str, int]:
+    """{"activations", "loss"}: bytes this rank's forward keeps for backward; "parameters":
+    bytes of this rank's parameter shards."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
+
+    mesh = _mesh(layout)
+    model = build_tiny_causal_lm(seed=0, **SHAPE)
+    extra = {"tiled_loss": tiled} if _tiled_loss_available() else {}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    vocab = layout == "tp2 vocab"
+    PARALLELIZER.apply(model, mesh, mp_policy=policy, activation_checkpointing=ac, vocab_parallel_lm_head=vocab, **extra)
+    local = {(p._local_tensor if isinstance(p, DTensor) else p) for p in model.parameters()}
+    parameters = sum(t.numel() * t.element_size() for t in local)
+    batch = random_batch(1, SEQ, SHAPE["vocab_size"], seed=0)
+    if layout == "cp2":
+        batch = shard_batch(batch, mesh["cp"])
+
+    saved = _saved_by_part(model, batch, checkpointed=ac)
+    return {**saved, "parameters": parameters}
+
+
+def _saved_by_part(model: torch.nn.Module, batch: dict[str, torch.Tensor], checkpointed: bool) -> dict[str, int]:
+    """Bytes of the distinct storages a forward of `model` keeps for backward (parameters
+    excluded): "activations" until the decoder returns, "loss" after (lm_head, cross
+    entropy). `checkpointed`: also what each checkpointed decoder layer was called with."""
+    from torch.distributed.tensor import DTensor
+
+    def parameter_storages() -> set[int]:  # as registered now (FSDP2 swaps in unsharded ones)
+        return {(p._local_tensor if isinstance(p, DTensor) else p).untyped_storage().data_ptr() for p in model.parameters()}
+
+    kept: dict[int, tuple[int, str]] = {}
+    phase = ["activations"]
+
+    def keep(t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in kept and storage.data_ptr() not in parameter_storages():
+            kept[storage.data_ptr()] = (storage.nbytes(), phase[0])
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        keep(t)
+        return t
+
+    def held_by_checkpoint(module, args, kwargs) -> None:
+        for value in [*args, *kwargs.values()]:
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    keep(t)
+
+    hooks = [layer.register_forward_pre_hook(held_by_checkpoint, with_kwargs=True) for layer in model.model.layers] if checkpointed else []
+    hooks.append(model.model.register_forward_hook(lambda *_: phase.__setitem__(0, "loss")))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**batch)  # what the forward keeps is all that is measured: no backward
+    for hook in hooks:
+        hook.remove()
+    return {part: sum(n for n, p in kept.values() if p == part) for part in ("activations", "loss")}
+
+
+def _world(rank: int, world: int, cases: list[Case], out: str) -> None:
+    results = {f"{layout} ac={ac} tiled={tiled}": _measure(layout, ac, tiled) for layout, ac, tiled in cases}
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+
+
+def _predicted(layout: str, ac: bool, tiled: bool) -> MemoryEstimate:
+    from qwen35_accel.testing.tiny import tiny_text_config
+
+    parallel = {"cp1": Parallel(dp_shard=2), "cp2": Parallel(cp=2), "tp2": Parallel(tp=2),
+                "tp2 vocab": Parallel(tp=2, vocab_parallel_lm_head=True)}[layout]
+    options = StepOptions(seq_len=SEQ, compute_bytes=2, activation_checkpointing=ac, tiled_loss=tiled, device="cpu")
+    return estimate(ModelShape.from_config(tiny_text_config(**SHAPE)), parallel, options)
+
+
+def _check_cases(cases: list[Case], tmp_path: Path) -> None:
+    out = tmp_path / "measured.json"
+    run_world(_world, 2, cases, str(out))
+    measured = json.loads(out.read_text())
+    rows, bad = [], []
+    for layout, ac, tiled in cases:
+        got = measured[f"{layout} ac={ac} tiled={tiled}"]
+        want = _predicted(layout, ac, tiled)
+        for part in ("activations", "loss", "parameters"):
+            ratio = getattr(want, part) / got[part]
+            rows.append(f"{layout} ac={ac} tiled={tiled} {part}: predicted {getattr(want, part)} measured {got[part]} ({ratio:.3f})")
+            if abs(ratio - 1) > TOLERANCE:
+                bad.append(rows[-1])
+    # With pytest -s, the table (not a QWEN35_ACCEL_* name: the plugin refuses unknown ones).
+    if os.environ.get("SHOW_MEMORY_MODEL_TABLE"):
+        print("\n".join(rows))
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.multiprocess
+def test_predicted_bytes_match_measured_within_10_percent_with_transformers_loss(tmp_path):
+    _check_cases(TRANSFORMERS_LOSS_CASES, tmp_path)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(
+    not _tiled_loss_available(), reason="PARALLELIZER.apply has no `tiled_loss` parameter yet (the tiled loss is built apart)"
+)
+def test_predicted_bytes_match_measured_within_10_percent_with_tiled_loss(tmp_path):
+    _check_cases(TILED_LOSS_CASES, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_predicted_bytes_match_the_unmodified_model_at_another_shape(dtype):
+    """One process, Transformers' model as is: key heads = value heads, 2 rows of a length
+    the chunked rule pads, fp32 (where casts alias) and bf16."""
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch, tiny_text_config
+
+    shape = dict(
+        hidden_size=192, intermediate_size=320, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=32, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4, vocab_size=2048,
+    )
+    rows, seq = 2, 136
+    model = build_tiny_causal_lm(seed=0, dtype=dtype, **shape)
+    batch = random_batch(rows, seq, shape["vocab_size"], seed=0)
+    got = _saved_by_part(model, batch, checkpointed=False)
+    options = StepOptions(seq_len=seq, batch_size=rows, compute_bytes=dtype.itemsize, param_bytes=dtype.itemsize, device="cpu",
+                          tiled_loss=False)
+    want = estimate(ModelShape.from_config(tiny_text_config(**shape)), Parallel(), options)
+    for part in ("activations", "loss"):
+        assert abs(getattr(want, part) / got[part] - 1) <= TOLERANCE, (part, getattr(want, part), got[part])
+
+
+def _27b_like() -> ModelShape:
+    """The 27B-like shape of tests/test_cli.py (3 GatedDeltaNet layers per attention layer)."""
+    return ModelShape(hidden=5120, intermediate=17408, vocab=248320, linear_layers=48, full_layers=16, heads=24,
+                      kv_heads=4, head_dim=256, rotary_dim=64, k_heads=16, v_heads=48, k_dim=128, v_dim=128, conv_kernel=4)
+
+
+def test_memory_sizes_parse_with_units_and_bad_ones_say_what_to_pass():
+    assert parse_bytes("141GB") == 141 * 10**9
+    assert parse_bytes("139.5 GiB") == int(139.5 * 2**30)
+    assert parse_bytes("80000MB") == 80 * 10**9 and parse_bytes("4096") == 4096
+    for bad in ("-1", "0GB", "lots", "12 XB", ""):
+        with pytest.raises(ValueError, match="pass a positive number with a unit"):
+            parse_bytes(bad)
+    with pytest.raises(ValueError, match="adamw, sgd, none"):
+        StepOptions(seq_len=8, optimizer="adam")
+
+
+def test_loss_tiles_hold_at_most_256_MiB_of_fp32_logits_in_multiples_of_8_tokens():
+    tokens = loss_tile_tokens(248320)
+    assert tokens % 8 == 0 and tokens * 248320 * 4 <= 2**28 < (tokens + 8) * 248320 * 4
+    assert loss_tile_tokens(1000) == 67104  # 2**28 / 4000 = 67108.9, down to a multiple of 8
+    assert loss_tile_tokens(10**9) == 1  # a vocabulary wider than a tile: one token at a time
+
+
+def test_suggested_cp_is_the_smallest_that_fits():
+    shape, options = _27b_like(), StepOptions(seq_len=131072, tiled_loss=True)
+    gpu = parse_bytes("141GB")
+    cp = suggest_cp(shape, Parallel(dp_shard=8), options, gpu)
+    assert cp is not None and cp > 1
+    checkpointed = StepOptions(seq_len=131072, activation_checkpointing=True)
+    assert estimate(shape, Parallel(dp_shard=8 // cp, cp=cp), checkpointed).total <= gpu
+    smaller = max(c for c in (1, 2, 4, 8) if c < cp)
+    assert estimate(shape, Parallel(dp_shard=8 // smaller, cp=smaller), checkpointed).total > gpu
+    assert suggest_cp(shape, Parallel(dp_shard=8), options, parse_bytes("10GB")) is None
+    keys = estimate(shape, Parallel(dp_shard=8), options).as_dict()
+    assert list(keys) == ["parameters", "gradients", "optimizer_states", "activations", "loss", "transient", "total"]
+    assert keys["total"] == sum(v for k, v in keys.items() if k != "total")
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[1]
+    config = str(root / "accelerate_configs" / "cpu_fsdp2_dp2_cp2.yaml")
+    return subprocess.run([sys.executable, "-m", "qwen35_accel.cli", "plan", "--model", "tiny", "--config", config, *args],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+
+
+def test_plan_json_says_whether_it_fits_and_suggests_a_cp():
+    run = _plan("--seq-len", "1024", "--gpu-memory", "141GB", "--suggest", "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    p = json.loads(run.stdout)
+    memory = p["memory_per_rank"]
+    assert all(isinstance(v, int) for v in memory.values()) and memory["total"] == sum(memory.values()) - memory["total"]
+    assert p["fits"] and p["margin_bytes"] == 141 * 10**9 - memory["total"] and p["suggested_cp"] == 1
+    # The parameter bytes agree with the FSDP2 units the plan lays out (max over ranks: ±1 %).
+    assert abs(memory["parameters"] / p["bytes_per_rank_max"] - 1) < 0.01
+    assert p["memory_assumptions"]["device"] == "cuda" and p["memory_assumptions"]["seq_len"] == 1024
+    small = _plan("--seq-len", "1024", "--gpu-memory", "1MiB")
+    assert small.returncode == 0 and "does not fit in 1.00 MiB" in small.stdout, small.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--gpu-memory", "-1"), "--gpu-memory '-1' is not a memory size"),
+    (("--suggest",), "--suggest needs --gpu-memory"),
+    (("--optimizer", "adam"), "optimizer 'adam' is not one of adamw, sgd, none"),
+    (("--batch-size", "0"), "batch_size 0"),
+])
+def test_plan_refuses_bad_memory_options_in_one_line(args, message):
+    run = _plan(*args)
+    assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr

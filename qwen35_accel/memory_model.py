@@ -11,8 +11,9 @@ the step's options (`StepOptions`); nothing is built or run. Per rank:
 - activations: what the decoder keeps for backward, per layer kind (GatedDeltaNet, gated
   attention, MLP, norms and residuals), or only each layer's input under activation
   checkpointing; local tokens are batch × seq_len / cp, heads and the MLP width / tp;
-- loss: what the lm_head and the cross entropy keep (tiled: the final hidden states and a
-  few [tokens] vectors; Transformers' loss: an fp32 [tokens, vocab] log-softmax);
+- loss: what the lm_head and the cross entropy keep (tiled: the gradients computed in
+  forward, of the hidden states [tokens, hidden] and of the lm_head weight [vocab / tp,
+  hidden], in the compute dtype; Transformers' loss: an fp32 [tokens, vocab] log-softmax);
 - transient: the peak of what lives only for a moment: the FSDP2 units gathered at the
   prefetch depths (with one unit's unsharded gradient in backward), and the largest of the
   loss's working logits, CP's gathered K/V (and its gradient) in an attention layer, and
@@ -39,7 +40,7 @@ OPTIMIZERS = ("adamw", "sgd", "none")
 # Optimizer state per trainable parameter, in units of the parameter's storage dtype.
 _OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}
 CHUNK = 64  # the chunk length of the chunked gated delta rule (Transformers' and FLA's)
-DEFAULT_LOSS_TILE_BYTES = 2**28  # fp32 logits per loss tile: at most 256 MiB
+DEFAULT_LOSS_TILE_BYTES = 2**28  # fp32 logits per loss tile: at most 256 MiB (tiled_head.TILE_BYTES)
 DEFAULT_LOSS_TILES_ALIVE = 3  # tiles of fp32 logits alive at once (logits, softmax, gradient)
 
 
@@ -195,10 +196,10 @@ class MemoryEstimate:
 
 
 def loss_tile_tokens(vocab_local: int, tile_bytes: int = DEFAULT_LOSS_TILE_BYTES) -> int:
-    """Tokens per loss tile: as many as keep [tokens, vocab_local] fp32 logits within
-    `tile_bytes`, rounded down to a multiple of 8 (at least 1)."""
-    tokens = max(1, tile_bytes // (4 * vocab_local))
-    return tokens // 8 * 8 if tokens >= 8 else tokens
+    """Tokens per loss tile, as the tiled loss takes them (`parallel.tiled_head.token_tile_size`)."""
+    from .parallel.tiled_head import token_tile_size
+
+    return token_tile_size(vocab_local, tile_bytes)
 
 
 # Activations: what one decoder layer keeps for backward (T tokens on this rank, batch rows B).
@@ -349,23 +350,25 @@ def _vocab_local(shape: ModelShape, parallel: Parallel) -> int:
 def loss_saved(shape: ModelShape, parallel: Parallel, options: StepOptions) -> int:
     """Bytes the lm_head and the cross entropy keep for backward on a rank.
 
-    Tiled: the final hidden states (c), three fp32 [tokens] vectors, the int64 targets.
-    Transformers' loss: the lm_head's input, the fp32 log-softmax [tokens, vocab] and the
-    targets; vocab-parallel TP: the fp32 exponentials of this rank's vocab slice.
+    Tiled (`parallel.tiled_head.linear_cross_entropy_sum`, gradients computed in forward):
+    the gradients of the hidden states and of this rank's lm_head rows, in the compute dtype,
+    and the bool mask of labelled tokens. Transformers' loss: the lm_head's input, the fp32
+    log-softmax [tokens, vocab] and the targets; vocab-parallel TP: the fp32 exponentials of
+    this rank's vocab slice.
     """
     tokens = options.batch_size * options.seq_len // parallel.cp
     hidden = tokens * shape.hidden * options.compute_bytes
     if options.tiled_loss:
-        return hidden + 3 * tokens * 4 + tokens * 8
+        return hidden + _vocab_local(shape, parallel) * shape.hidden * options.compute_bytes + tokens
     return hidden + tokens * _vocab_local(shape, parallel) * 4 + (tokens + options.batch_size) * 8
 
 
 def _loss_transient(shape: ModelShape, parallel: Parallel, options: StepOptions) -> int:
     tokens = options.batch_size * options.seq_len // parallel.cp
     vocab = _vocab_local(shape, parallel)
-    if options.tiled_loss:
+    if options.tiled_loss:  # the tiles, and the fp32 accumulators of both gradients
         tile = min(tokens, loss_tile_tokens(vocab, options.loss_tile_bytes))
-        return options.loss_tiles_alive * tile * vocab * 4
+        return options.loss_tiles_alive * tile * vocab * 4 + (vocab + tokens) * shape.hidden * 4
     # the logits in the compute dtype with their fp32 copy (forward), or their fp32 gradient
     return tokens * vocab * (options.compute_bytes + 4)
 

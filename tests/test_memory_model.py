@@ -218,7 +218,7 @@ def test_loss_tiles_hold_at_most_256_MiB_of_fp32_logits_in_multiples_of_8_tokens
     tokens = loss_tile_tokens(248320)
     assert tokens % 8 == 0 and tokens * 248320 * 4 <= 2**28 < (tokens + 8) * 248320 * 4
     assert loss_tile_tokens(1000) == 67104  # 2**28 / 4000 = 67108.9, down to a multiple of 8
-    assert loss_tile_tokens(10**9) == 1  # a vocabulary wider than a tile: one token at a time
+    assert loss_tile_tokens(10**9) == 8  # a vocabulary wider than a tile: the tiled loss still takes 8 tokens
 
 
 def test_suggested_cp_is_the_smallest_that_fits():

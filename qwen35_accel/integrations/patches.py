@@ -78,6 +78,11 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "cp, its sampling trainers under tp",
     ),
     PatchPoint(
+        "transformers.trainer", "Trainer._track_num_input_tokens", step_hooks.track_num_input_tokens, TRANSFORMERS,
+        "dense Qwen3.5 under cp or tp > 1: num_input_tokens_seen counts each batch once (stock sums every rank's "
+        "count, and ranks differing in cp/tp hold the same batch)",
+    ),
+    PatchPoint(
         "transformers.trainer", "Trainer.evaluation_loop", evaluation.evaluation_loop, TRANSFORMERS,
         "dense Qwen3.5 under cp or tp > 1: the loop's gather_function gathers over the data-parallel ranks only (ranks "
         "differing in cp/tp hold the same batch; stock returns each row cp*tp times), every other gather_for_metrics "

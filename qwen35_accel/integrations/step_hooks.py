@@ -68,6 +68,9 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
         ):
             from ..context_parallel import pad_batch_for_context_parallel
 
+            # The CP context shards its buffers in place: hand it new tensor objects, so the
+            # training loop's batch stays whole for what it counts after the step (tokens seen).
+            inputs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
             inputs = pad_batch_for_context_parallel(inputs, cp_mesh.size())
         return original(self, model, inputs)
 
@@ -121,3 +124,33 @@ def clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self, parameters, max_norm, norm_type)
 
     return wrapper
+
+
+def track_num_input_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`Trainer._track_num_input_tokens`: the Trainer sums every process's count of its batch,
+    but ranks that differ only in their cp or tp coordinate hold the same batch (Accelerate's
+    data loader), so each batch is counted cp·tp times: the increment is divided by cp·tp
+    (exact: every rank of such a group counts the same whole batch)."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, inputs: Any) -> None:
+        accelerator = getattr(self, "accelerator", None)
+        shared = _ranks_sharing_a_batch(accelerator)
+        if shared == 1:
+            return original(self, inputs)
+        before = self.state.num_input_tokens_seen
+        original(self, inputs)
+        counted = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + counted // shared
+
+    return wrapper
+
+
+def _ranks_sharing_a_batch(accelerator: Any) -> int:
+    """cp × tp of the accelerator's mesh when it prepared a dense Qwen3.5 model, else 1."""
+    from ..parallel.mesh import mesh_dim_size
+
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is None or not any(getattr(m, "_qwen35_accel_prepared", False) for m in getattr(accelerator, "_models", [])):
+        return 1
+    return mesh_dim_size(mesh, "cp") * mesh_dim_size(mesh, "tp")

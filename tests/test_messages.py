@@ -102,6 +102,7 @@ def _checkpointing_worker(rank: int, world: int, ours: bool, cp: int) -> None:
     if rank == 0:
         line = next(line for line in stderr.getvalue().splitlines() if "prepared by qwen35_accel" in line)
         assert "activation checkpointing=" not in line, line  # the old line said "=False" under Transformers' own
+        assert "loss: tiled" in line, line  # the default training loss, named
         if ours:
             assert "activation checkpointing: qwen35_accel's (each decoder layer; Transformers' gradient " \
                    "checkpointing was on too and is turned off" in line, line

@@ -209,9 +209,19 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
     main_process_note(
         f"{type(model).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
-        f"activation checkpointing: {checkpointing}"
+        f"activation checkpointing: {checkpointing}, loss: {_loss_in_effect(model)}"
     )
     return model
+
+
+def _loss_in_effect(model: nn.Module) -> str:
+    """The training loss's path, for the prepared line."""
+    from ..model.detect import unwrap_qwen35
+    from ..parallel.tiled_loss import uses_tiled_loss
+
+    if uses_tiled_loss(unwrap_qwen35(model)):
+        return "tiled (training forwards return no logits; QWEN35_ACCEL_TILED_LOSS=0 for Transformers')"
+    return "Transformers' (whole logits)"
 
 
 def _one_activation_checkpointing(model: nn.Module, ours: bool) -> str:

@@ -75,6 +75,9 @@ def _worker(rank: int, world: int, cp: int, temperature: float) -> None:
     for name, p in model.named_parameters():
         grad = gather_tensor_parallel(model, name, p.grad)
         assert_close(grad, ref_params[hf_name(name)].grad, f"grad of {name}")
+    # Generation would sample from this rank's vocab slice: refused (every rank alike, before any collective).
+    with pytest.raises(NotImplementedError, match="generation .* with a vocab-parallel lm_head"):
+        model.generate(input_ids=batch["input_ids"][:, :4], max_new_tokens=2, do_sample=False)
 
 
 @pytest.mark.parametrize("world,cp", [(2, 1), (4, 2)], ids=["tp2", "cp2xtp2"])

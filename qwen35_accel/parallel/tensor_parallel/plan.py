@@ -273,8 +273,21 @@ def apply_vocab_parallel_lm_head(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     lm_head = qwen35_parts(model).lm_head
     _split_module(lm_head, {name: _rows(p.shape[0]) for name, p in lm_head.named_parameters(recurse=False)}, tp_mesh)
     lm_head.register_forward_pre_hook(_input_hook(group), with_kwargs=True)
+    model.register_forward_pre_hook(_refuse_generation, with_kwargs=True)
     setattr(model, VOCAB_GROUP_ATTR, group)
     model.loss_function = VocabParallelCausalLMLoss(group)
+
+
+def _refuse_generation(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Generation (`generate` asks for the last position's logits: `logits_to_keep`) would
+    sample from this rank's vocab slice: refused, on every rank of the tp group alike."""
+    keep = kwargs.get("logits_to_keep", 0)
+    if (isinstance(keep, int) and keep != 0) or (torch.is_tensor(keep) and keep.numel() > 0):
+        raise NotImplementedError(
+            "generation (a forward with logits_to_keep, as generate() calls it) with a vocab-parallel lm_head would "
+            "sample from this rank's slice of the vocabulary; generate with vocab_parallel_lm_head off "
+            "(QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD=0)"
+        )
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The README's patch-point table is the registry's, row for row."""
+"""The patch-point table in docs/plugin.md is the registry's, row for row."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ import pytest
 
 from qwen35_accel.integrations.patches import PATCH_POINTS
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PLUGIN_PAGE = Path(__file__).resolve().parents[1] / "docs" / "plugin.md"
 
 
-def _readme_targets() -> list[str]:
-    text = README.read_text()
+def _documented_targets() -> list[str]:
+    text = PLUGIN_PAGE.read_text()
     table = text[text.index("| target | for a dense Qwen3.5 model |"):]
     table = table[: table.index("\n\n")]
     return re.findall(r"^\| `([^`]+)` \|", table, flags=re.MULTILINE)
 
 
-def test_readme_lists_every_patch_point_and_no_other():
-    assert _readme_targets() == [point.target for point in PATCH_POINTS]
+def test_plugin_page_lists_every_patch_point_and_no_other():
+    assert _documented_targets() == [point.target for point in PATCH_POINTS]
 
 
 def test_every_patch_point_declares_a_guard_and_a_wrapper_of_its_own():

@@ -70,6 +70,29 @@ def _tile_logits(
     return z if inv_temperature == 1.0 else z * inv_temperature
 
 
+def _in_compute_dtype(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _local_targets(targets: torch.Tensor, vocab_start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each target's row in this rank's slice, clamped into it; whether the slice holds it)."""
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < local_vocab)
+    return local.clamp(0, local_vocab - 1), mine
+
+
+def _zero_grads(
+    needs: tuple[bool, ...], h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """fp32 accumulators for the gradients of hidden, weight and bias that autograd needs."""
+    return tuple(  # type: ignore[return-value]
+        torch.zeros(t.shape, device=t.device, dtype=torch.float32) if need and t is not None else None
+        for need, t in zip(needs[:3], (h, w, b))
+    )
+
+
 class _LinearTokenStats(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -87,17 +110,14 @@ class _LinearTokenStats(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         ctx.set_materialize_grads(False)
         dtype = _compute_dtype(hidden)
-        h, w = hidden.to(dtype), weight.to(dtype)
-        b = bias.to(dtype) if bias is not None else None
+        h, w, b = _in_compute_dtype(hidden, weight, bias, dtype)
         n, local_vocab = h.shape[0], w.shape[0]
         inv_t = 1.0 / temperature
         f32 = dict(device=h.device, dtype=torch.float32)
         local_max, sum_exp, target_logit = (torch.zeros(n, **f32) for _ in range(3))
         extra = {name: torch.zeros(n, **f32) for name in ("entropy", "log_sum_sq_probs", "mean_logits") if name in outputs}
         argmax = torch.zeros(n, device=h.device, dtype=torch.long) if "is_top1" in outputs else None
-        local_targets = targets - vocab_start
-        mine = (local_targets >= 0) & (local_targets < local_vocab)
-        local_targets = local_targets.clamp(0, local_vocab - 1)
+        local_targets, mine = _local_targets(targets, vocab_start, local_vocab)
         for start in range(0, n, tile):
             end = min(start + tile, n)
             z = _tile_logits(h[start:end], w, b, inv_t)
@@ -153,13 +173,9 @@ class _LinearTokenStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_: object):  # type: ignore[override]
         hidden, weight, bias, local_targets, mine, log_z, entropy = ctx.saved_tensors
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
-        b = bias.to(ctx.dtype) if bias is not None else None
+        h, w, b = _in_compute_dtype(hidden, weight, bias, ctx.dtype)
         n = h.shape[0]
-        grad_hidden = torch.zeros(h.shape, device=h.device, dtype=torch.float32) if need_hidden else None
-        grad_weight = torch.zeros(w.shape, device=w.device, dtype=torch.float32) if need_weight else None
-        grad_bias = torch.zeros(b.shape, device=b.device, dtype=torch.float32) if need_bias and b is not None else None
+        grad_hidden, grad_weight, grad_bias = _zero_grads(ctx.needs_input_grad, h, w, b)
         for start in range(0, n, ctx.tile):
             end = min(start + ctx.tile, n)
             z = _tile_logits(h[start:end], w, b, ctx.inv_t)
@@ -243,17 +259,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         vocab_start: int,
         tile: int,
     ) -> torch.Tensor:
-        dtype = _compute_dtype(hidden)
-        h, w = hidden.to(dtype), weight.to(dtype)
-        b = bias.to(dtype) if bias is not None else None
+        h, w, b = _in_compute_dtype(hidden, weight, bias, _compute_dtype(hidden))
         n, local_vocab = h.shape[0], w.shape[0]
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros(h.shape, device=h.device, dtype=torch.float32) if need_hidden else None
-        grad_weight = torch.zeros(w.shape, device=w.device, dtype=torch.float32) if need_weight else None
-        grad_bias = torch.zeros(b.shape, device=b.device, dtype=torch.float32) if need_bias and b is not None else None
-        local_targets = targets - vocab_start
-        mine = (local_targets >= 0) & (local_targets < local_vocab)
-        local_targets = local_targets.clamp(0, local_vocab - 1)
+        grad_hidden, grad_weight, grad_bias = _zero_grads(ctx.needs_input_grad, h, w, b)
+        local_targets, mine = _local_targets(targets, vocab_start, local_vocab)
         total = torch.zeros((), device=h.device, dtype=torch.float32)
         for start in range(0, n, tile):
             end = min(start + tile, n)

@@ -11,7 +11,7 @@
 # compiled on first use) and regex (Transformers 5.24 checks its version at import).
 # causal-conv1d publishes no wheels and compiles for minutes, so the conv kernels stay
 # unmeasured. Results go to $OUT (cuda_check.json, gpu_step.md, the logs); copy them into
-# benchmarks/results/ and quote them in the README.
+# benchmarks/results/ and quote them in docs/measurements.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl

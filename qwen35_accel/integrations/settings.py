@@ -146,7 +146,7 @@ def _parse(env_name: str, field: dataclasses.Field, raw: str) -> object:
 
 
 def settings_table() -> list[dict[str, str]]:
-    """Rows (variable, default, meaning) for the README and `qwen35-accel env`."""
+    """Rows (variable, default, meaning) for docs/configuration.md and `qwen35-accel env`."""
     rows = []
     for field in dataclasses.fields(PluginSettings):
         default = str(field.default).lower() if isinstance(field.default, bool) else str(field.default)

@@ -146,7 +146,7 @@ def _prepare_and_train_worker(rank: int, world: int, cp: int, activation_checkpo
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "world,cp,ac", [(2, 1, False), (2, 2, True), (4, 2, False)], ids=["dp2", "cp2-ac", "dp2xcp2"]
+    "world,cp,ac", [(2, 1, False), (2, 2, True), pytest.param(4, 2, False, marks=pytest.mark.slow)], ids=["dp2", "cp2-ac", "dp2xcp2"]
 )
 def test_accelerator_prepare_hands_qwen35_to_the_parallelizer_and_matches_single_process(world, cp, ac):
     run_world(_prepare_and_train_worker, world, cp, ac)
@@ -261,6 +261,7 @@ def _ram_efficient_tp_worker(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # world 4
 def test_cpu_ram_efficient_loading_under_tensor_parallelism():
     run_world(_ram_efficient_tp_worker, 4)
 
@@ -310,6 +311,7 @@ def _save_load_state_tp_worker(rank: int, world: int, state_dict_type: str, tmp:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # world 4
 @pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
 def test_save_and_load_state_under_tensor_parallelism(tmp_path, state_dict_type):
     run_world(_save_load_state_tp_worker, 4, state_dict_type, str(tmp_path))

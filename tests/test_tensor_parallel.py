@@ -112,8 +112,9 @@ def _tp_worker(rank: int, world: int, dp: int, cp: int, tp: int, vocab_parallel:
 
 @pytest.mark.parametrize(
     "world,dp,cp,tp,vocab_parallel",
-    [(2, 1, 1, 2, False), (4, 2, 1, 2, False), (4, 1, 2, 2, False), (8, 2, 2, 2, False), (4, 2, 1, 2, True),
-     (4, 1, 2, 2, True)],
+    # tp2 in the fast tier; worlds of 4 and 8 are slow.
+    [(2, 1, 1, 2, False), pytest.param(4, 2, 1, 2, False, marks=pytest.mark.slow), pytest.param(4, 1, 2, 2, False, marks=pytest.mark.slow),
+     pytest.param(8, 2, 2, 2, False, marks=pytest.mark.slow), pytest.param(4, 2, 1, 2, True, marks=pytest.mark.slow), pytest.param(4, 1, 2, 2, True, marks=pytest.mark.slow)],
     ids=["tp2", "dp2xtp2", "cp2xtp2", "dp2xcp2xtp2", "dp2xtp2-vocab-parallel", "cp2xtp2-vocab-parallel"],
 )
 def test_tp_matches_single_process_through_adamw_steps(world, dp, cp, tp, vocab_parallel):
@@ -313,5 +314,6 @@ def _resume_worker(rank: int, world: int, tmp: str) -> None:
         load_full_state_dict(resumed, broken)
 
 
+@pytest.mark.slow  # world 4
 def test_tp_checkpoints_resume_sharded_full_and_at_another_tp_size(tmp_path):
     run_world(_resume_worker, 4, str(tmp_path))

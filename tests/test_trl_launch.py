@@ -20,7 +20,7 @@ import torch
 
 from qwen35_accel.testing.launch import REPO, accelerate_launch_command, describe, run_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
 SCRIPT = REPO / "tests" / "scripts" / "trl_sft.py"
 

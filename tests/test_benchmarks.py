@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 TIMEOUT_S = 180
 
-pytestmark = pytest.mark.multiprocess  # every script spawns local gloo worlds
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # every script spawns local gloo worlds
 
 # Runs the script (argv[1:]) as `python benchmarks/<script>` would, with matplotlib absent:
 # a None entry in sys.modules makes `import matplotlib` raise ImportError.
@@ -143,7 +143,7 @@ def test_vocab_parallel_step_smoke():
     assert math.isfinite(ratios["step time, median"]) and ratios["step time, median"] > 0
     assert 0.3 < ratios["activation memory"] < 0.8, stdout
     relative = float(re.search(r"relative difference ([0-9.e+-]+)\)", stdout).group(1))
-    assert relative < 1e-5, stdout  # the same loss
+    assert relative < 1e-5, stdout  # fp32 rtol 1e-5: the same loss, its log-sum-exp reduced over vocab slices
 
 
 def test_cp_comm_smoke_writes_results_and_draws_where_matplotlib_is(tmp_path):
@@ -160,6 +160,7 @@ def test_cp_comm_smoke_writes_results_and_draws_where_matplotlib_is(tmp_path):
     # The state exchanges at cp 2 and 4: bytes sent and kept as their formulas, the same states.
     exchanges = _table_rows(stdout, "| shape | cp | exchange |")
     assert [(r[1], r[2]) for r in exchanges] == [("2", "allgather"), ("2", "scan"), ("4", "allgather"), ("4", "scan")], stdout
+    # fp32 rtol 1e-5: the scan composes the same chunk maps in a tree, the all-gather in a row.
     assert all(r[8] == "yes" and float(r[9]) < 1e-5 for r in exchanges), stdout
     auto = {r[0]: (r[-2], r[-1]) for r in _table_rows(stdout, "| cp | all-gather fwd = bwd sent |")}
     assert auto == {"2": ("scan", "allgather"), "4": ("scan", "allgather"), "8": ("scan", "scan"),
@@ -170,8 +171,9 @@ def test_cp_memory_smoke_without_matplotlib_writes_results_without_the_picture(t
     stdout = _smoke_without_matplotlib("cp_memory.py", tmp_path, "| config | rank | local tokens |")
     ratio = _bold_ratio(stdout, "Activation memory per rank, cp 2 / cp 1 (worst rank)")
     assert 0.3 < ratio < 1.0, stdout
-    losses = {r[-1] for r in _table_rows(stdout, "| config | rank | local tokens |")}
-    assert len(losses) <= 2 and max(map(float, losses)) - min(map(float, losses)) < 1e-4, stdout
+    losses = {float(r[-1]) for r in _table_rows(stdout, "| config | rank | local tokens |")}
+    # fp32 rtol 1e-5 (cp 2 reduces over chunks in another order), plus the table's 6 decimals.
+    assert len(losses) <= 2 and max(losses) - min(losses) <= 1e-5 * max(losses) + 1e-6, stdout
 
 
 def test_cp_step_smoke():
@@ -180,7 +182,8 @@ def test_cp_step_smoke():
     assert math.isfinite(ratio) and ratio > 0, stdout
     rows = _table_rows(stdout, "| config | rank | median step (s) |")
     losses = [float(r[-1]) for r in rows if r[-1]]
-    assert len(losses) == 3 and max(losses) - min(losses) < 1e-4, stdout  # cp 1 rank 0, cp 2 ranks 0 and 1
+    # cp 1 rank 0, cp 2 ranks 0 and 1: fp32 rtol 1e-5 (reduction order over cp), plus the table's 6 decimals.
+    assert len(losses) == 3 and max(losses) - min(losses) <= 1e-5 * max(losses) + 1e-6, stdout
 
 
 def test_cuda_check_cpu_smoke():
@@ -190,7 +193,7 @@ def test_cuda_check_cpu_smoke():
         name, _, value = line.partition(" ")
         if name in ("ops", "attention_memory", "packing", "cp_kernels", "model_cp2", "fsdp2_cp2", "tp2", "cp2xtp2"):
             results[name] = json.loads(value)
-    assert results["ops"]["fp32"]["output_rel_err"] < 1e-5, stdout
+    assert results["ops"]["fp32"]["output_rel_err"] < 1e-5, stdout  # fp32 rtol 1e-5: 8 folded chunk summaries vs one pass
     assert results["model_cp2"] == "ok", stdout  # with --smoke: the CP model, FSDP2 + CP and TP 2 checks
     assert results["attention_memory"] == {"skipped": "needs CUDA"}, stdout
     # fp32 rtol 1e-5: the packed row's documents against each alone (per-document kernels on CPU).
@@ -203,9 +206,10 @@ def test_cuda_check_cpu_smoke():
     kernels = results["cp_kernels"]
     assert 0 < kernels["summary_bf16_inputs_M_rel_err"] < 0.05 and 0 < kernels["summary_bf16_inputs_max_grad_rel_err"] < 0.05, stdout
     report = json.loads(stdout[stdout.index("\n{") + 1:])  # the whole report, printed last
+    # fp32 rtol 1e-5 (max |diff| / max |reference| below): reduction order over cp / tp ranks.
     assert report["model_check.json"]["fp32_seq64"]["loss_rel_err"] < 1e-5, stdout
     assert math.isfinite(report["fsdp_check.json"]["loss"]), stdout
-    assert report["tp_check_world2.json"]["max_grad_rel_err"] < 1e-4, stdout
+    assert report["tp_check_world2.json"]["max_grad_rel_err"] < 1e-5, stdout
 
 
 def test_packing_step_smoke_reports_both_layouts_and_exact_documents_also_without_matplotlib(tmp_path):
@@ -214,7 +218,8 @@ def test_packing_step_smoke_reports_both_layouts_and_exact_documents_also_withou
     assert [r[0] for r in rows] == ["padded", "packed"], stdout
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), stdout
     parity = float(re.search(r"max \|packed - alone\| = ([0-9.e+-]+)", stdout).group(1))
-    assert parity < 1e-4, stdout  # fp32: each document of the packed row as if alone
+    # fp32: each document of the packed row as if alone; logits below 1 here (0.65), so rtol 1e-5 as 1e-5 absolute.
+    assert parity < 1e-5, stdout
 
 
 def test_launch_reliability_smoke_counts_launches_that_exit_0():

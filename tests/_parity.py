@@ -51,7 +51,8 @@ class AdamWeightTolerance:
     AdamW moves a weight by lr * u, u = m_hat / (sqrt(v_hat) + eps), so a gradient difference
     d (here: the parallel run's reduction order) changes u by at most
     (|d|_m + |u_ref| * |d|_v) / (sqrt(v_hat) + eps), where |d|_m and |d|_v are d's magnitudes
-    through Adam's two moving averages (triangle inequality; exact, not first order). An
+    through Adam's two moving averages and v_hat is the parallel run's (triangle inequality;
+    exact, not first order). An
     element whose gradient is well above its noise may move by lr * (relative noise); one
     whose gradient is noise (|dL/dA_log| ~ 1e-10 for heads that forget within a token) may
     move by its whole step, |u_ref| + |u|: the rounding decides its direction on any CPU.
@@ -65,21 +66,22 @@ class AdamWeightTolerance:
                  eps: float = 1e-8, start: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
         """start: optimizer state both runs begin from (Transformers name -> exp_avg, exp_avg_sq, step)."""
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
-        self._state: dict[str, dict[str, torch.Tensor]] = {}
-        for name, state in (start or {}).items():
-            m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
-            zero = torch.zeros_like(m)
-            self._state[name] = dict(m_ref=m, m=m.clone(), v_ref=v, v=v.clone(), noise_m=zero, noise_v=zero.clone(),
-                                     bound=zero.clone(), steps=torch.tensor(float(state["step"])))
+        self._state = {name: self._begin(state["exp_avg"].float(), state["exp_avg_sq"].float(), float(state["step"]))
+                       for name, state in (start or {}).items()}
+
+    @staticmethod
+    def _begin(m: torch.Tensor, v: torch.Tensor, steps: float) -> dict[str, torch.Tensor]:
+        """Both runs' moments (equal at the start), the noise through each moment, the weights' bound."""
+        zero = torch.zeros_like(m)
+        return dict(m_ref=m, m=m.clone(), v_ref=v, v=v.clone(), noise_m=zero, noise_v=zero.clone(), bound=zero.clone(),
+                    steps=torch.tensor(steps))
 
     def step(self, name: str, grad: torch.Tensor, ref_grad: torch.Tensor) -> None:
         """One AdamW step of parameter `name` (Transformers name): the parallel run's gradient and the reference's."""
         beta1, beta2 = self.betas
         grad, ref_grad = full(grad.detach()).float(), ref_grad.detach().float()
         if name not in self._state:
-            zero = torch.zeros_like(ref_grad)
-            self._state[name] = dict(m_ref=zero, m=zero.clone(), v_ref=zero.clone(), v=zero.clone(), noise_m=zero.clone(),
-                                     noise_v=zero.clone(), bound=zero.clone(), steps=torch.tensor(0.0))
+            self._state[name] = self._begin(torch.zeros_like(ref_grad), torch.zeros_like(ref_grad), 0.0)
         s = self._state[name]
         noise = (grad - ref_grad).abs()
         for key, g in (("m_ref", ref_grad), ("m", grad), ("noise_m", noise)):

@@ -7,6 +7,9 @@ and the load average before / after, so a reader can tell an idle machine from a
 Every benchmark takes `--smoke` (tiny shapes, one or two steps, for tests) and
 `--results-dir`: a full run writes under `benchmarks/results` unless told otherwise; a smoke
 run writes nothing unless `--results-dir` is given.
+
+Scripts that draw write their results file first, then the picture: `pyplot()` is None
+without matplotlib (the `benchmarks` extra), which costs the picture only.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import platform
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -34,6 +38,19 @@ def results_dir(args: argparse.Namespace) -> Path | None:
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def pyplot() -> ModuleType | None:
+    """`matplotlib.pyplot` on the Agg backend, or None (saying so in one line) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print('no picture: matplotlib is not installed (pip install -e ".[benchmarks]" installs it); the results stand without it')
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _load() -> str:

@@ -234,18 +234,15 @@ def main() -> None:
 
     folder = _report.results_dir(args)
     if folder is not None:
-        _plot(runs, args, ratio, folder)
+        plt = _report.pyplot()
         run.write(folder, f"{args.out_name}.md", f"Activation memory per rank: cp {args.cp} vs cp 1",
                   f"Threads per rank: cp 1 {threads[1]}, cp {args.cp} {threads[args.cp]} (memory only, no timing).\n\n"
-                  f"{table}\n\n![activation memory]({args.out_name}.png)\n")
+                  f"{table}\n" + (f"\n![activation memory]({args.out_name}.png)\n" if plt else ""))
+        if plt:
+            _plot(plt, runs, args, ratio, folder)
 
 
-def _plot(runs, args, ratio, folder: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _plot(plt, runs, args, ratio, folder: Path) -> None:
     labels, values, colors = [], [], []
     for cp, results in runs.items():
         for r in results:
@@ -263,6 +260,7 @@ def _plot(runs, args, ratio, folder: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(folder / f"{args.out_name}.png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ documents, then runs forward + backward twice, in an order that alternates every
 Reported: median real tokens per second of each and their ratio (target >= 2), median
 activation memory (bytes of the tensors saved for backward) and its ratio, and the
 per-document parity of one step (max |packed - document alone| over the logits); a plot
-of both per step (`packing_step.png`, the latest run's; needs matplotlib: the `benchmarks`
-extra). Runs are appended to `packing_step.md`.
+of both per step (`packing_step.png`, the latest run's; drawn after the results are written,
+and only with matplotlib: `pip install -e ".[benchmarks]"`). Runs are appended to `packing_step.md`.
 """
 
 from __future__ import annotations
@@ -133,19 +133,16 @@ def main() -> None:
     ])
     print(table)
     folder = _report.results_dir(args)
-    if folder is not None:
-        _plot(rows, folder)
+    plt = _report.pyplot() if folder is not None else None
+    if plt:
         table += "\n\n![real tokens/s and activation memory per step](packing_step.png)"
     run.write(folder, "packing_step.md", "Packed rows vs padded batches", table, append=True)
+    if plt:
+        _plot(plt, rows, folder)
 
 
-def _plot(rows: dict[str, list[tuple[float, int, int]]], folder) -> None:
+def _plot(plt, rows: dict[str, list[tuple[float, int, int]]], folder) -> None:
     """Per timed step: real tokens/s and activation memory of both layouts, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(10, 4))
     steps = range(1, len(rows["padded"]) + 1)
     for kind, color in (("padded", "tab:red"), ("packed", "tab:blue")):

@@ -103,6 +103,7 @@ def test_plan_27b_config_on_meta_adds_up_to_the_model(tmp_path):
     assert len(p["layers"]) == layers
 
 
+@pytest.mark.slow  # a plan of its own; the other plan tests cover the command
 def test_plan_shows_tensor_parallel_slices_that_add_up_to_the_model():
     p = cli("plan", "--model", "tiny", "--config", str(CONFIGS / "cpu_fsdp2_tp2.yaml"))
     assert p["tensor_parallel"] == {"tp": 2, "status": "applied"} and p["mesh"]["tp"] == 2

@@ -179,6 +179,7 @@ def _compile_worker(rank: int, world: int, exchange: str) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # torch.compile of the decoder layers: minutes on 2 cores
 @pytest.mark.parametrize("exchange", ["allgather", "scan"])
 def test_compiled_decoder_layers_under_cp_equal_one_process(exchange):
     run_world(_compile_worker, 2, exchange)

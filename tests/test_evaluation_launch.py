@@ -24,6 +24,7 @@ from qwen35_accel.testing.launch import (
 )
 
 pytestmark = pytest.mark.multiprocess
+SLOW = pytest.mark.slow  # launches of 4 processes, or variants of the cp2 launch
 
 SCRIPT = REPO / "tests" / "scripts" / "eval_clm.py"
 PREPARED = "prepared by qwen35_accel"
@@ -58,17 +59,17 @@ def data_parallel_2(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "config,per_device,env,shows,flags",
     [
-        ("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2", ()),
-        ("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2", ("--no_train",)),  # prepared for evaluation alone
+        ("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2", ()),  # the fast tier's evaluation test
+        pytest.param("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2", ("--no_train",), marks=SLOW),  # prepared for evaluation alone
         # preprocess_logits_for_metrics (argmax) on each rank's chunks, its output gathered
-        ("cpu_fsdp2_cp2.yaml", "4", {"QWEN35_ACCEL_CP_METRICS_PER_CHUNK": "1"}, "cp=2", ()),
-        ("cpu_fsdp2_dp2_cp2.yaml", "2", {}, "cp=2", ()),
-        ("cpu_fsdp2_tp2.yaml", "2", {}, "tp=2", ()),
-        ("cpu_fsdp2_tp2.yaml", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}, "tp=2", ()),
+        pytest.param("cpu_fsdp2_cp2.yaml", "4", {"QWEN35_ACCEL_CP_METRICS_PER_CHUNK": "1"}, "cp=2", (), marks=SLOW),
+        pytest.param("cpu_fsdp2_dp2_cp2.yaml", "2", {}, "cp=2", (), marks=SLOW),
+        pytest.param("cpu_fsdp2_tp2.yaml", "2", {}, "tp=2", (), marks=SLOW),
+        pytest.param("cpu_fsdp2_tp2.yaml", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}, "tp=2", (), marks=SLOW),
     ],
     ids=["cp2", "cp2-eval-only", "cp2-metrics-per-chunk", "dp2xcp2", "dp2xtp2", "dp2xtp2-vocab-parallel"],
 )
-def test_evaluate_and_predict_under_cp_and_tp_equal_one_process(single, data_parallel_2, tmp_path, config, per_device, env,
+def test_evaluate_and_predict_under_cp_and_tp_equal_one_process(single, request, tmp_path, config, per_device, env,
                                                                  shows, flags):
     out = tmp_path / "run"
     command = accelerate_launch_command(config, SCRIPT, str(out), "--per_device_eval_batch_size", per_device, *flags)
@@ -86,7 +87,7 @@ def test_evaluate_and_predict_under_cp_and_tp_equal_one_process(single, data_par
             # Stock Transformers with 2 data-parallel ranks: the last batch's rows are counted with the
             # global token count but cut to the remainder, so its loss is not one process's either;
             # our ranks sharing a batch must give exactly what plain data parallelism gives.
-            expected_loss = _outputs(data_parallel_2)[0][run]["eval_loss"]
+            expected_loss = _outputs(request.getfixturevalue("data_parallel_2"))[0][run]["eval_loss"]
         # fp32 rtol 1e-5: the loss is reduced over chunks (cp) or heads (tp) in another order.
         torch.testing.assert_close(got[run]["eval_loss"], expected_loss, rtol=1e-5, atol=0, msg=f"{run}: eval_loss")
 

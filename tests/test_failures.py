@@ -16,7 +16,7 @@ import pytest
 from qwen35_accel.testing.launch import RECIPE, accelerate_launch_command, describe, run_launch
 from qwen35_accel.testing.processes import is_running
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
 FAULT_SCRIPT = Path(__file__).resolve().parent / "scripts" / "sft_with_fault.py"
 ARGS = ["--per_device_train_batch_size", "2", "--logging_steps", "1", "--seed", "0"]

@@ -80,7 +80,7 @@ def _lora_parity_worker(rank: int, world: int, cp: int, activation_checkpointing
 
 @pytest.mark.parametrize(
     "world,cp,ac",
-    [(2, 1, True), (2, 2, False), (4, 2, True)],
+    [(2, 1, True), pytest.param(2, 2, False, marks=pytest.mark.slow), pytest.param(4, 2, True, marks=pytest.mark.slow)],
     ids=["fsdp2-ac", "cp2", "dp2xcp2-ac"],
 )
 def test_lora_loss_and_adapter_grads_match_single_process(world: int, cp: int, ac: bool) -> None:
@@ -137,6 +137,7 @@ def _lora_bf16_worker(rank: int, world: int) -> None:
             assert p.grad is None, name
 
 
+@pytest.mark.slow  # fsdp2-ac and tp2 are the fast tier's LoRA tests
 def test_lora_under_a_bf16_policy_keeps_frozen_gate_holders_in_fp32_units() -> None:
     run_world(_lora_bf16_worker, 2)
 
@@ -194,6 +195,6 @@ def _lora_tp_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None:
         assert_close(state[key], value, f"state_dict[{key}]")
 
 
-@pytest.mark.parametrize("world,dp,cp,tp", [(2, 1, 1, 2), (4, 1, 2, 2)], ids=["tp2", "cp2xtp2"])
+@pytest.mark.parametrize("world,dp,cp,tp", [(2, 1, 1, 2), pytest.param(4, 1, 2, 2, marks=pytest.mark.slow)], ids=["tp2", "cp2xtp2"])
 def test_lora_under_tensor_parallelism_matches_single_process(world: int, dp: int, cp: int, tp: int) -> None:
     run_world(_lora_tp_worker, world, dp, cp, tp)

@@ -22,7 +22,7 @@ from qwen35_accel.testing.launch import (
     run_launch,
 )
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
 PREPARED = "PeftModelForCausalLM prepared by qwen35_accel"
 # SGD: a weight differs from the reference exactly as much as its summed gradients (see

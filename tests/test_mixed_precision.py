@@ -57,6 +57,7 @@ def _repro_worker(rank: int, world: int) -> None:
     ours = PARALLELIZER.apply(_bf16_model_with_fp32_gate_params(), mesh, mp_policy=policy)
     losses = _train_steps(ours, 6, rank)
     assert all(torch.isfinite(torch.tensor(losses))), losses
+    # 6 AdamW steps at lr 1e-2 on one fixed batch memorise it; updates that never reach the weights stay at 1x.
     assert losses[-1] < 0.8 * losses[0], losses
 
 
@@ -123,7 +124,9 @@ def _precision_worker(rank: int, world: int, layout: str, compute_dtype: torch.d
 
 @pytest.mark.parametrize(
     "layout,compute_dtype",
-    [("fp32_master", torch.bfloat16), ("bf16_storage", torch.bfloat16), ("fp32_master", torch.float16)],
+    # fp16 in the fast tier; the bf16 policy there is test_cp_model's, test_lora's and test_accelerate_plugin's.
+    [pytest.param("fp32_master", torch.bfloat16, marks=pytest.mark.slow), pytest.param("bf16_storage", torch.bfloat16, marks=pytest.mark.slow),
+     ("fp32_master", torch.float16)],
     ids=["fp32-master-bf16-policy", "bf16-storage-bf16-policy", "fp32-master-fp16-policy"],
 )
 def test_gate_holder_gathers_fp32_master_while_layer_computes_in_policy_dtype(layout, compute_dtype):

@@ -190,7 +190,7 @@ def _assert_parallel_grads(model, reference, tp: int, where: str) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)], ids=["fsdp2", "tp2"])
+@pytest.mark.parametrize("dp,tp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)], ids=["fsdp2", "tp2"])
 def test_packed_rows_under_fsdp2_and_tensor_parallelism_equal_the_documents_alone(dp, tp):
     from _dist import run_world
 
@@ -261,7 +261,8 @@ def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int, rows_pe
 @pytest.mark.parametrize(
     "dp,cp,tp,rows,ac",
     # dp2xcp2 with activation checkpointing: the recomputed layers get the same documents.
-    [(1, 2, 1, 1, False), (1, 4, 1, 2, False), (2, 2, 1, 1, True), (1, 2, 2, 1, False)],
+    [(1, 2, 1, 1, False), pytest.param(1, 4, 1, 2, False, marks=pytest.mark.slow), pytest.param(2, 2, 1, 1, True, marks=pytest.mark.slow),
+     pytest.param(1, 2, 2, 1, False, marks=pytest.mark.slow)],  # world 4: slow
     ids=["cp2", "cp4-two-rows", "dp2xcp2-ac", "cp2xtp2"],
 )
 def test_packed_rows_under_context_parallelism_equal_the_documents_alone(dp, cp, tp, rows, ac):

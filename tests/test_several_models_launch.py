@@ -21,7 +21,7 @@ from qwen35_accel.testing.launch import (
     run_launch,
 )
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
 PREPARED = "Qwen3_5ForCausalLM prepared by qwen35_accel"
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

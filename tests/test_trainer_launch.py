@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from qwen35_accel.testing.launch import CONFIGS, RECIPE, accelerate_launch_command, describe, run_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
 PREPARED = "prepared by qwen35_accel"
 COMMON = ["--max_steps", "4", "--logging_steps", "1", "--seed", "0"]

@@ -29,7 +29,7 @@ from _parity import assert_same_log_history, log_history
 
 from qwen35_accel.testing.launch import REPO, accelerate_launch_command, describe, run_launch
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
 SCRIPT = REPO / "tests" / "scripts" / "trl_sft.py"
 

@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, cp: int, temperature: float) -> None:
         model.generate(input_ids=batch["input_ids"][:, :4], max_new_tokens=2, do_sample=False)
 
 
-@pytest.mark.parametrize("world,cp", [(2, 1), (4, 2)], ids=["tp2", "cp2xtp2"])
+@pytest.mark.parametrize("world,cp", [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)], ids=["tp2", "cp2xtp2"])
 def test_trl_fused_head_over_vocab_parallel_lm_head_equals_one_process(world, cp):
     run_world(_worker, world, cp, 0.8)
 

@@ -26,6 +26,7 @@ from torch import nn
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from ..ops.documents import per_document
+from .checkpoint_gates import restore_checkpoint_gates
 from .packing import install_packing_hook
 
 HOLDER_NAME = "_fp32_params"
@@ -299,6 +300,10 @@ def _named_parameters_with_transformers_names(
         yield transformers_name(name), param
 
 
+def _below_fp32(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
+
+
 def has_fp32_gate(module: nn.Module) -> bool:
     return isinstance(module, Fp32GateGatedDeltaNet)
 
@@ -308,13 +313,17 @@ def install_fp32_gate(model: nn.Module) -> int:
 
     Works on any module tree holding `Qwen3_5GatedDeltaNet` layers, on any device
     (meta included) and before any sharding. Values are converted exactly (upcast to
-    fp32; a bf16 model keeps its bf16 values); the Parameter objects and
+    fp32); gates loaded in a lower precision (`from_pretrained(..., dtype=torch.bfloat16)`)
+    take the checkpoint's fp32 values back when the model's `name_or_path` leads to its
+    safetensors files, and warn once otherwise (`restore_checkpoint_gates`; meta tensors
+    are left to the rank that broadcasts them). The Parameter objects and
     `requires_grad` are preserved. `model.named_parameters()` then reports them under
     their Transformers names (`…linear_attn.A_log`), like `state_dict()`. Each text decoder
     holding them computes packed rows document by document (`model.packing`).
     Idempotent: returns the number of layers converted by this call (0 the second time).
     """
     converted = 0
+    arrived: dict[nn.Module, dict[str, torch.dtype]] = {}  # gates loaded below fp32 precision (not meta)
     for module in model.modules():
         if not isinstance(module, hf.Qwen3_5GatedDeltaNet) or has_fp32_gate(module):
             continue
@@ -323,6 +332,13 @@ def install_fp32_gate(model: nn.Module) -> int:
                 f"install_fp32_gate: {type(module).__name__} subclasses Qwen3_5GatedDeltaNet with its own forward; "
                 "converting it would drop that forward. Only the Transformers class itself is supported."
             )
+        rounded = {
+            name: param.dtype
+            for name in GATE_PARAM_NAMES
+            if (param := module._parameters.get(name)) is not None and not param.is_meta and _below_fp32(param.dtype)
+        }
+        if rounded:
+            arrived[module] = rounded
         A_log = module._parameters.pop("A_log")
         dt_bias = module._parameters.pop("dt_bias")
         module.add_module(HOLDER_NAME, Fp32GateParams(A_log, dt_bias))
@@ -330,6 +346,8 @@ def install_fp32_gate(model: nn.Module) -> int:
         module.register_state_dict_post_hook(_gate_state_dict_post_hook)
         module.register_load_state_dict_pre_hook(_gate_load_state_dict_pre_hook)
         converted += 1
+    if arrived:
+        restore_checkpoint_gates(model, arrived)
     for module in model.modules():  # every text decoder that holds converted layers
         if isinstance(module, hf.Qwen3_5TextModel) and any(has_fp32_gate(m) for m in module.modules()):
             install_packing_hook(module)

@@ -224,6 +224,7 @@ def test_the_plugin_trains_from_the_checkpoints_gates_after_a_bf16_load(tmp_path
     )
     assert result.returncode == 0, describe(result)
     assert "prepared by qwen35_accel" in result.stderr and ROUNDED not in result.stderr, describe(result)
+    assert "their fp32 values were read back, bitwise, from" in result.stderr, describe(result)  # the plugin's one line
     trained = checkpoint_gate_values(out)
     assert set(trained) == set(saved)
     for key, value in saved.items():

@@ -37,6 +37,7 @@ def prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
             # Before Accelerate records parameter names for the optimizer mapping; the
             # Parameter objects themselves are kept, so the optimizer stays valid.
             install_fp32_gate(model)
+            _note_restored_gates(model)
             _present_layer_classes_only(self.state.fsdp_plugin, model)
         elif model is not None and _is_qwen35_moe(model):
             main_process_note(_moe_note(self.state.fsdp_plugin, model))
@@ -300,3 +301,17 @@ def prepare_cp(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self, *args)
 
     return wrapper
+
+
+def _note_restored_gates(model: nn.Module) -> None:
+    """One line when `install_fp32_gate` took gate values back from the checkpoint (a bf16 load)."""
+    from ..model.detect import unwrap_qwen35
+    from ..model.fp32_gate import RESTORED_GATES_ATTR
+
+    restored = getattr(model, RESTORED_GATES_ATTR, 0)
+    if restored:
+        source = getattr(unwrap_qwen35(model), "name_or_path", None) or "its checkpoint"
+        main_process_note(
+            f"{restored} GatedDeltaNet gate tensors (A_log/dt_bias) were loaded below fp32; their fp32 values were read "
+            f"back, bitwise, from {source}"
+        )

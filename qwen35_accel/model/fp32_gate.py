@@ -30,6 +30,7 @@ from .checkpoint_gates import restore_checkpoint_gates
 from .packing import install_packing_hook
 
 HOLDER_NAME = "_fp32_params"
+RESTORED_GATES_ATTR = "_qwen35_restored_gates"  # how many gate tensors took the checkpoint's values back
 GATE_PARAM_NAMES = ("A_log", "dt_bias")
 
 
@@ -347,7 +348,9 @@ def install_fp32_gate(model: nn.Module) -> int:
         module.register_load_state_dict_pre_hook(_gate_load_state_dict_pre_hook)
         converted += 1
     if arrived:
-        restore_checkpoint_gates(model, arrived)
+        restored = restore_checkpoint_gates(model, arrived)
+        if restored:  # for the plugin's prepared line
+            setattr(model, RESTORED_GATES_ATTR, getattr(model, RESTORED_GATES_ATTR, 0) + restored)
     for module in model.modules():  # every text decoder that holds converted layers
         if isinstance(module, hf.Qwen3_5TextModel) and any(has_fp32_gate(m) for m in module.modules()):
             install_packing_hook(module)

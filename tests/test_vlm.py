@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from _dist import run_world
-from _parity import assert_close, assert_grads_match
+from _parity import assert_close, assert_grads_match, hf_name
 
 pytestmark = pytest.mark.multiprocess
 
@@ -63,3 +63,93 @@ def _vlm_worker(rank: int, world: int) -> None:
 
 def test_frozen_vision_tower_under_each_policy_trains_with_single_process_text_grads():
     run_world(_vlm_worker, 2)
+
+
+# Mixed image/text batches: a rank without images runs the tower on a placeholder whose
+# contribution is exactly zero, so every sharding of the tower keeps its collectives matched.
+
+SEQ = 16
+TOWERS = (("trainable", "shard"), ("frozen", "root"), ("frozen", "replicate"), ("frozen", "shard"))
+
+
+def _vlm(tower: str):
+    from qwen35_accel.testing.tiny import build_tiny_vlm
+
+    return _frozen_vlm() if tower == "frozen" else build_tiny_vlm(seed=0)
+
+
+def _mesh(world: int, dp_replicate: int = 1, tp: int = 1):
+    mesh = init_device_mesh("cpu", (dp_replicate, world // dp_replicate // tp, 1, tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh
+
+
+def _check_mixed_steps(mesh, media: list[list[list[str | None]]], towers=TOWERS) -> None:
+    """`media[step][dp_rank]`: each micro-step's rows per data-parallel rank. Every tower
+    setting: the mean of the micro-steps' losses and every gradient (vision tower included)
+    equal one process computing each micro-step's global batch."""
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
+    from qwen35_accel.parallel.vision import PLACEHOLDER_HOOK_ATTR
+    from qwen35_accel.testing.tiny import concat_vlm_batches, mixed_vlm_batch, tiny_vlm_config
+
+    config = tiny_vlm_config()
+    dp_rank = mesh.get_local_rank("dp_replicate") * mesh["dp_shard"].size() + mesh.get_local_rank("dp_shard")
+    steps = [[mixed_vlm_batch(config, rows, SEQ, seed=100 + 10 * s + r) for r, rows in enumerate(step)]
+             for s, step in enumerate(media)]
+    for tower, policy in towers:
+        reference = _vlm(tower)
+        ref_loss = sum(reference(**concat_vlm_batches(batches)).loss for batches in steps) / len(steps)
+        ref_loss.backward()
+
+        model = PARALLELIZER.apply(_vlm(tower), mesh, frozen_multimodal_sharding=policy)
+        has_units = tower == "trainable" or policy == "shard"
+        assert (getattr(model.model, PLACEHOLDER_HOOK_ATTR, None) is not None) == has_units, (tower, policy)
+        losses = []
+        for batches in steps:
+            loss = model(**batches[dp_rank]).loss / len(steps)
+            loss.backward()
+            losses.append(loss.detach())
+        # Equal label counts on every rank: the global loss is the mean of the dp ranks' means.
+        global_loss = torch.stack(losses).sum()
+        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+        what = f"{tower} tower, {policy}, media {media}"
+        assert_close(global_loss, ref_loss.detach(), f"loss ({what})")
+        ref_params = dict(reference.named_parameters())
+        trained = []
+        for name, p in model.named_parameters():
+            r = ref_params[hf_name(name)]
+            assert (p.grad is None) == (r.grad is None) == (not p.requires_grad), f"{name}: {what}"
+            if p.grad is not None:  # gathered over dp (DTensor) and, split by TP, over tp
+                assert_close(gather_tensor_parallel(model, name, p.grad), r.grad, f"grad of {name} ({what})")
+                trained.append(name)
+        vision = [name for name in trained if ".visual." in name]
+        assert len(vision) == (len(list(reference.model.visual.parameters())) if tower == "trainable" else 0), what
+        assert len(trained) > len(vision), what
+
+
+def _mixed_worker(rank: int, world: int, media: list[list[list[str | None]]], dp_replicate: int = 1, tp: int = 1) -> None:
+    _check_mixed_steps(_mesh(world, dp_replicate, tp), media)
+
+
+IMAGES, TEXT, VIDEOS = ["image", "image"], [None, None], ["video", None]
+
+
+@pytest.mark.parametrize("media", [[IMAGES, TEXT], [TEXT, IMAGES], [VIDEOS, TEXT]], ids=["images-text", "text-images", "videos-text"])
+def test_mixed_image_text_ranks_equal_one_process_on_every_tower_sharding(media):
+    run_world(_mixed_worker, 2, [media])
+
+
+def test_mixed_micro_steps_accumulate_to_one_process_gradients():
+    # Micro-steps: images on rank 0 only, a video on rank 1 only, text everywhere.
+    run_world(_mixed_worker, 2, [[IMAGES, TEXT], [TEXT, VIDEOS], [TEXT, TEXT]])
+
+
+def test_mixed_ranks_under_hsdp_equal_one_process():
+    run_world(_mixed_worker, 2, [[IMAGES, TEXT]], 2)
+
+
+def test_mixed_ranks_under_dp2_tp2_equal_one_process():
+    # The tower is not split by TP: tp ranks share a batch and the tower's units span dp.
+    run_world(_mixed_worker, 4, [[IMAGES, TEXT]], 1, 2)

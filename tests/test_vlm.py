@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from _dist import run_world
-from _parity import assert_close, assert_grads_match, hf_name
+from _parity import assert_close, assert_grads_match, assert_same_log_history, hf_name
 
 pytestmark = pytest.mark.multiprocess
 
@@ -133,17 +136,19 @@ def _mixed_worker(rank: int, world: int, media: list[list[list[str | None]]], dp
     _check_mixed_steps(_mesh(world, dp_replicate, tp), media)
 
 
-IMAGES, TEXT, VIDEOS = ["image", "image"], [None, None], ["video", None]
+IMAGES, TEXT, VIDEOS, BOTH = ["image", "image"], [None, None], ["video", None], ["image", "video"]
 
 
-@pytest.mark.parametrize("media", [[IMAGES, TEXT], [TEXT, IMAGES], [VIDEOS, TEXT]], ids=["images-text", "text-images", "videos-text"])
+# BOTH: Transformers calls the tower twice (images, then videos); the hook makes it one call.
+@pytest.mark.parametrize("media", [[IMAGES, TEXT], [TEXT, IMAGES], [VIDEOS, TEXT], [BOTH, TEXT], [BOTH, IMAGES]],
+                         ids=["images-text", "text-images", "videos-text", "both-text", "both-images"])
 def test_mixed_image_text_ranks_equal_one_process_on_every_tower_sharding(media):
     run_world(_mixed_worker, 2, [media])
 
 
 def test_mixed_micro_steps_accumulate_to_one_process_gradients():
-    # Micro-steps: images on rank 0 only, a video on rank 1 only, text everywhere.
-    run_world(_mixed_worker, 2, [[IMAGES, TEXT], [TEXT, VIDEOS], [TEXT, TEXT]])
+    # Micro-steps: images on rank 0 only, an image and a video on rank 1 only, text everywhere.
+    run_world(_mixed_worker, 2, [[IMAGES, TEXT], [TEXT, BOTH], [TEXT, TEXT]])
 
 
 def test_mixed_ranks_under_hsdp_equal_one_process():
@@ -153,3 +158,33 @@ def test_mixed_ranks_under_hsdp_equal_one_process():
 def test_mixed_ranks_under_dp2_tp2_equal_one_process():
     # The tower is not split by TP: tp ranks share a batch and the tower's units span dp.
     run_world(_mixed_worker, 4, [[IMAGES, TEXT]], 1, 2)
+
+
+MIXED_SCRIPT = Path(__file__).parent / "scripts" / "vlm_mixed.py"
+
+
+def _ran(command: list[str], env: dict[str, str] | None = None) -> str:
+    from qwen35_accel.testing.launch import describe, run_launch
+
+    result = run_launch(command, env=env)
+    assert result.returncode == 0, describe(result)
+    assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
+    return result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tower,env", [("trainable", {}), ("frozen", {"QWEN35_ACCEL_FROZEN_MULTIMODAL_SHARDING": "shard"})],
+                         ids=["trainable", "frozen-shard"])
+def test_trainer_on_a_mixed_image_text_dataset_under_fsdp2_logs_one_process_losses_and_grad_norms(tmp_path, tower, env):
+    """tests/scripts/vlm_mixed.py: every micro-step mixes ranks with and without images (a video too);
+    2 micro-steps per step. The launch's per-step loss and grad_norm equal one process's."""
+    from qwen35_accel.testing.launch import accelerate_launch_command
+
+    flags = ["--frozen_tower"] if tower == "frozen" else []
+    single, launched = tmp_path / "single", tmp_path / "launched"
+    _ran([sys.executable, str(MIXED_SCRIPT), str(single), "--per_device_train_batch_size", "4", *flags])
+    stderr = _ran(accelerate_launch_command("cpu_fsdp2.yaml", MIXED_SCRIPT, str(launched), "--per_device_train_batch_size", "2",
+                                            *flags), env)
+    assert "Qwen3_5ForConditionalGeneration prepared by qwen35_accel" in stderr
+    # fp32: the launch sums the same terms in another order (ranks, FSDP2 reduce-scatters).
+    assert_same_log_history(launched, single, rtol=1e-5)

@@ -8,20 +8,26 @@ and merger would have gradients on one rank and none on the other) no longer pai
 aborts ("Is there a distributed collective mismatch"), NCCL hangs.
 
 `install_vision_placeholder(model)` registers a forward pre-hook on the VLM's inner
-`Qwen3_5Model`: a call without `pixel_values`, `pixel_values_videos` and `mm_encoder_outputs`
-runs the tower on `placeholder_image` (one all-zero image of the smallest grid the tower
-takes: 1 x merge x merge patches, one merged token) and adds its output times exactly zero
-to the input embeddings. Autograd then reaches every tower parameter in backward (gradient
-exactly zero on this rank, so the reduce-scatters match and the average is the one process's
-gradient), and the loss is unchanged bit for bit (x + 0 == x). A frozen tower's output needs
-no gradient: forward only, no backward collectives on any rank. The input is finite by
-construction (zeros), so 0 * output is 0, never 0 * inf = NaN.
+`Qwen3_5Model` that makes every forward call the tower exactly once, so every rank runs the
+same units the same number of times:
+- images or videos: Transformers' call, unchanged;
+- images and videos (Transformers calls the tower twice): one call on both, cu_seqlens keeping
+  each image and video apart (the same embeddings), passed on as `mm_encoder_outputs`;
+- neither: the tower runs on `placeholder_image` (one all-zero image of the smallest grid the
+  tower takes: 1 x merge x merge patches, one merged token) and its output, times exactly
+  zero, is added to the input embeddings. Autograd then reaches every tower parameter in
+  backward (gradient exactly zero on this rank, so the reduce-scatters match and their
+  average is the one process's gradient), and the loss is unchanged bit for bit (x + 0 == x).
+  A frozen tower's output needs no gradient: forward only, no backward collectives on any
+  rank. The input is finite by construction (zeros), so 0 * output is 0, never 0 * inf = NaN.
+A caller's own `mm_encoder_outputs` pass through untouched (it ran the tower itself).
 
 A hook on the inner model rather than a subclass or wrapper: the inner model is not an FSDP2
 unit (no hook order to respect), the outer class, checkpoint keys and `forward` stay the
 Transformers ones, and the kwargs a Trainer/collator passes (`pixel_values`,
 `image_grid_thw`, `mm_token_type_ids`, video kwargs) reach the model as before; only
-`inputs_embeds` is added, with `input_ids` kept for the placeholder masks and mRoPE.
+`inputs_embeds` (or `mm_encoder_outputs`) is added, with `input_ids` kept for the placeholder
+masks and mRoPE.
 """
 
 from __future__ import annotations
@@ -32,12 +38,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from ..model.detect import unwrap_qwen35
 
 PLACEHOLDER_HOOK_ATTR = "_qwen35_vision_placeholder_hook"
-_VISION_INPUTS = ("pixel_values", "pixel_values_videos")
 
 
 def vision_tower_has_units(vision_model: nn.Module | None) -> bool:
@@ -77,17 +83,40 @@ def _as_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
     return {**bound, **extra}
 
 
-def _placeholder_hook(module: hf.Qwen3_5Model, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    if not args and (any(kwargs.get(key) is not None for key in _VISION_INPUTS) or kwargs.get("mm_encoder_outputs")):
-        return None  # the common call with images or videos: nothing to do, nothing rebuilt
+def _encode_together(
+    module: hf.Qwen3_5Model, images: torch.Tensor, image_grid_thw: torch.Tensor, videos: torch.Tensor, video_grid_thw: torch.Tensor
+) -> dict[str, BaseModelOutputWithPooling]:
+    """Images and videos in one tower call, as `mm_encoder_outputs` (the tower encodes each
+    image and video on its own, cu_seqlens apart: the same embeddings as two calls)."""
+    pixel_values = torch.cat([images, videos]).type(module.visual.dtype)
+    grid_thw = torch.cat([image_grid_thw, video_grid_thw])
+    merged = module.visual(pixel_values, grid_thw=grid_thw).pooler_output
+    sizes = (grid_thw.prod(-1) // module.visual.spatial_merge_size**2).tolist()
+    embeddings = torch.split(merged, sizes)
+    count = len(image_grid_thw)
+    return {
+        "image": BaseModelOutputWithPooling(pooler_output=embeddings[:count]),
+        "video": BaseModelOutputWithPooling(pooler_output=embeddings[count:]),
+    }
+
+
+def _one_tower_call(module: hf.Qwen3_5Model, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     kwargs = _as_kwargs(module, args, kwargs)
-    if any(kwargs.get(key) is not None for key in _VISION_INPUTS) or kwargs.get("mm_encoder_outputs"):
-        return None
+    if kwargs.get("mm_encoder_outputs"):
+        return None  # encoded by the caller
+    images, videos = kwargs.get("pixel_values"), kwargs.get("pixel_values_videos")
+    if (images is None) != (videos is None):
+        return (), kwargs  # Transformers' one call
+    # The embedding before the tower, as in Transformers' forward: the same order of FSDP2 units on every rank.
     embeds = kwargs.get("inputs_embeds")
     if embeds is None:
-        embeds = module.get_input_embeddings()(kwargs["input_ids"])
+        embeds = kwargs["inputs_embeds"] = module.get_input_embeddings()(kwargs["input_ids"])
+    if images is not None:
+        kwargs["mm_encoder_outputs"] = _encode_together(module, images, kwargs["image_grid_thw"], videos, kwargs["video_grid_thw"])
+        kwargs["pixel_values"] = kwargs["pixel_values_videos"] = None
+        return (), kwargs
     pixel_values, grid_thw = placeholder_image(module.visual.config, embeds.device)
-    output = module.visual(pixel_values, grid_thw=grid_thw).pooler_output  # [1, text hidden]
+    output = module.visual(pixel_values.type(module.visual.dtype), grid_thw=grid_thw).pooler_output  # [1, text hidden]
     # Multiply before summing: the sum of a finite output could overflow in half precision.
     kwargs["inputs_embeds"] = embeds + output.mul(0).sum().to(embeds.dtype)
     return (), kwargs
@@ -102,5 +131,5 @@ def install_vision_placeholder(model: nn.Module) -> bool:
     inner = _inner_vlm(model)
     if getattr(inner, PLACEHOLDER_HOOK_ATTR, None) is not None:
         return False
-    setattr(inner, PLACEHOLDER_HOOK_ATTR, inner.register_forward_pre_hook(_placeholder_hook, with_kwargs=True))
+    setattr(inner, PLACEHOLDER_HOOK_ATTR, inner.register_forward_pre_hook(_one_tower_call, with_kwargs=True))
     return True

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from _dist import run_world
-from _parity import assert_close, assert_grads_match, assert_same_log_history, hf_name
+from _parity import assert_close, assert_grads_match, assert_same_log_history, full, hf_name
 
 pytestmark = pytest.mark.multiprocess
 
@@ -127,6 +127,9 @@ def _check_mixed_steps(mesh, media: list[list[list[str | None]]], towers=TOWERS)
             if p.grad is not None:  # gathered over dp (DTensor) and, split by TP, over tp
                 assert_close(gather_tensor_parallel(model, name, p.grad), r.grad, f"grad of {name} ({what})")
                 trained.append(name)
+        with torch.no_grad():  # evaluation: mixed ranks, forward collectives only
+            logits = model(**steps[0][dp_rank]).logits
+            assert_close(logits, reference(**steps[0][dp_rank]).logits, f"eval logits ({what})")
         vision = [name for name in trained if ".visual." in name]
         assert len(vision) == (len(list(reference.model.visual.parameters())) if tower == "trainable" else 0), what
         assert len(trained) > len(vision), what
@@ -159,6 +162,78 @@ def test_mixed_ranks_under_dp2_tp2_equal_one_process():
     # The tower is not split by TP: tp ranks share a batch and the tower's units span dp.
     run_world(_mixed_worker, 4, [[IMAGES, TEXT]], 1, 2)
 
+
+def _text_only_under_cp_worker(rank: int, world: int) -> None:
+    """cp 2, trainable tower, text only on every rank: the placeholder runs under CP too;
+    loss and decoder gradients equal one process, the tower's gradients are exactly zero
+    (the reference's tower gets none)."""
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.testing.tiny import build_tiny_vlm, mixed_vlm_batch
+
+    mesh = init_device_mesh("cpu", (1, 1, world, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    reference = build_tiny_vlm(seed=0)
+    batch = mixed_vlm_batch(reference.config, [None, None], SEQ, seed=5)
+    del batch["mm_token_type_ids"]  # text only: Transformers needs it with images alone
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    model = PARALLELIZER.apply(build_tiny_vlm(seed=0), mesh)
+    loss = model(**shard_batch(batch, mesh["cp"])).loss
+    loss.backward()
+    assert_close(loss.detach(), ref_loss.detach(), "loss under cp")
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        r = ref_params[hf_name(name)]
+        if r.grad is None:
+            assert ".visual." in name and torch.equal(full(p.grad), torch.zeros_like(r)), name
+        else:
+            assert_close(full(p.grad), r.grad, f"grad of {name} under cp")
+
+
+def test_text_only_vlm_with_trainable_tower_under_cp_equals_one_process():
+    run_world(_text_only_under_cp_worker, 2)
+
+
+def test_placeholder_adds_exactly_zero_to_loss_and_gradients():
+    """One process, the hook alone: a text-only forward (keywords or positional `input_ids`)
+    gives bitwise Transformers' loss and decoder gradients, and every tower parameter a
+    gradient of exactly zero (so FSDP2 reduces the same tensors on every rank)."""
+    from qwen35_accel.parallel.vision import install_vision_placeholder
+    from qwen35_accel.testing.tiny import build_tiny_vlm, mixed_vlm_batch
+
+    reference, model = build_tiny_vlm(seed=0), build_tiny_vlm(seed=0)
+    assert install_vision_placeholder(model) and not install_vision_placeholder(model)
+    batch = mixed_vlm_batch(reference.config, [None, None], SEQ, seed=3)
+    reference(**batch).loss.backward()
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.equal(loss, reference(**batch).loss)
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        if r.grad is None:
+            assert ".visual." in name and p.grad is not None and not p.grad.any(), name
+        else:
+            assert torch.equal(p.grad, r.grad), name
+    positional = model.model(batch["input_ids"]).last_hidden_state  # the hook binds positional arguments
+    assert torch.equal(positional, reference.model(batch["input_ids"]).last_hidden_state)
+
+
+def test_images_and_videos_in_one_tower_call_equal_transformers_two_calls():
+    from qwen35_accel.parallel.vision import install_vision_placeholder
+    from qwen35_accel.testing.tiny import build_tiny_vlm, mixed_vlm_batch
+
+    reference, model = build_tiny_vlm(seed=0), build_tiny_vlm(seed=0)
+    install_vision_placeholder(model)
+    batch = mixed_vlm_batch(reference.config, ["image", "video", "image"], SEQ, seed=4)
+    calls = []
+    model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    ref_loss, loss = reference(**batch).loss, model(**batch).loss
+    assert len(calls) == 1
+    ref_loss.backward()
+    loss.backward()
+    # fp32: one call over 3 images' patches instead of 2 calls (matmuls of other shapes).
+    assert_close(loss, ref_loss, "loss")
+    assert_grads_match(model, reference)
 
 MIXED_SCRIPT = Path(__file__).parent / "scripts" / "vlm_mixed.py"
 

@@ -37,6 +37,7 @@ from .parallel.tensor_parallel import (
     check_vocab_parallel,
 )
 from .parallel.tensor_parallel import check_divisible as check_tp_divisible
+from .parallel.vision import install_vision_placeholder, vision_tower_has_units
 
 # mesh_dim_names / mesh_dim_size / mesh_device: re-exported from parallel.mesh for existing callers.
 __all__ = ["PARALLELIZER", "Qwen3_5ModelParallelizer", "mesh_device", "mesh_dim_names", "mesh_dim_size"]
@@ -96,6 +97,10 @@ class Qwen3_5ModelParallelizer:
         rank's vocab slice. Needs untied embeddings and tp dividing the vocab size.
         `cp_state_exchange` (cp > 1): "allgather", "scan" or "auto", how the GatedDeltaNet
         layers pass chunk summaries across the cp ranks (`install_context_parallel`).
+        VLMs whose vision blocks become FSDP2 units (a trainable tower, or frozen with
+        `frozen_multimodal_sharding="shard"`) run the tower on a zero placeholder image in
+        forwards without images or videos, its output added times zero, so ranks with and
+        without images issue the same collectives (`install_vision_placeholder`).
         `tiled_loss=True` (`Qwen3_5ForCausalLM`): training forwards with labels compute the
         lm_head and the loss in tiles of tokens and return `logits=None`
         (`install_tiled_loss`); other forwards keep Transformers' logits.
@@ -147,6 +152,9 @@ class Qwen3_5ModelParallelizer:
             fp32_holder_units=fp32_holder_units,
             parts=parts,
         )
+        if vision_tower_has_units(parts.vision_model):
+            # Vision blocks with FSDP2 units need every rank in every forward, images or not.
+            install_vision_placeholder(base)
         if dims.cp is not None:
             install_context_parallel(base, dims.cp, state_exchange=cp_state_exchange)
         logger.info(

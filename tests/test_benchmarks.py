@@ -238,3 +238,19 @@ def test_gpu_step_smoke_runs_the_three_configurations_on_the_same_model():
     # A spent --budget starts no configuration and says so per row (a device session's fixed time).
     spent = _table_rows(_smoke("gpu_step.py", "--budget", "0"), "| model | seq | config |")
     assert [(r[2], r[4]) for r in spent] == [(name, "skipped (--budget 0 s)") for name in ("transformers", "ours cp 1", "ours cp 2")]
+
+
+def test_loss_memory_smoke_reports_both_losses_equal():
+    out = _smoke("loss_memory.py")
+    rows = {line for line in out.splitlines() if re.match(r"^\| 64 \| 256 \| [12] \|", line)}
+    assert len(rows) == 2, out  # cp 1 and cp 2 (each printed as measured, then in the table)
+    for row in rows:  # the tiled loss equals Transformers' (fp32: the same sums in tiles)
+        assert float(row.strip("| ").split(" | ")[-1]) < 1e-5, row
+
+
+def test_plan_table_smoke():
+    assert "| model | loss | cp 1 |" in _smoke("plan_table.py")
+
+
+def test_vlm_placeholder_step_smoke():
+    assert "placeholder / none" in _smoke("vlm_placeholder_step.py")

@@ -14,6 +14,8 @@ from ..model.tiny import build_tiny_causal_lm, build_tiny_vlm, randomize_for_par
 __all__ = [
     "build_tiny_causal_lm",
     "build_tiny_vlm",
+    "concat_vlm_batches",
+    "mixed_vlm_batch",
     "packed_documents",
     "random_batch",
     "random_vlm_batch",
@@ -53,6 +55,49 @@ def random_vlm_batch(config: Qwen3_5Config, batch: int, seq: int, seed: int) -> 
         "image_grid_thw": torch.tensor([[1, 4, 4]] * batch),
         "mm_token_type_ids": (ids == config.image_token_id).long(),
     }
+
+
+def mixed_vlm_batch(config: Qwen3_5Config, media: list[str | None], seq: int, seed: int) -> dict[str, torch.Tensor]:
+    """Rows with one 16-patch image (`"image"`), one 16-patch single-frame video (`"video"`)
+    or only text (None), a collator's keys for what is present; the first 8 labels of every
+    row masked, so every row counts `seq - 8` tokens.
+
+    Keys: `input_ids`, `labels`, `mm_token_type_ids` [rows, seq] (0 text, 1 image, 2 video);
+    with images `pixel_values` [images*16, 96], `image_grid_thw` [images, 3]; with videos
+    `pixel_values_videos` [videos*16, 96], `video_grid_thw` [videos, 3]. Needs
+    `tiny_vlm_config` sizes and `seq` >= 9.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    vocab = config.text_config.vocab_size - 4  # the top 4 ids are the vision specials
+    ids = torch.randint(1, vocab, (len(media), seq), generator=gen)
+    types = torch.zeros_like(ids)
+    v = config.vision_config
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size
+    pixels: dict[str, list[torch.Tensor]] = {"image": [], "video": []}
+    for row, kind in enumerate(media):
+        if kind is None:
+            continue
+        ids[row, 2] = config.vision_start_token_id
+        ids[row, 3:7] = config.image_token_id if kind == "image" else config.video_token_id
+        ids[row, 7] = config.vision_end_token_id
+        types[row, 3:7] = 1 if kind == "image" else 2
+        pixels[kind].append(torch.randn(16, patch_dim, generator=gen))
+    labels = ids.clone()
+    labels[:, :8] = -100
+    batch = {"input_ids": ids, "labels": labels, "mm_token_type_ids": types}
+    for kind, (pixel_key, grid_key) in {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}.items():
+        if pixels[kind]:
+            batch[pixel_key] = torch.cat(pixels[kind])
+            batch[grid_key] = torch.tensor([[1, 4, 4]] * len(pixels[kind]))
+    return batch
+
+
+def concat_vlm_batches(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One batch holding the rows (and images, videos) of `batches` in order: the oracle's
+    global batch from the ranks' local ones. A key missing from some batches (no images
+    there) concatenates over the batches that have it."""
+    keys = dict.fromkeys(key for batch in batches for key in batch)
+    return {key: torch.cat([batch[key] for batch in batches if key in batch]) for key in keys}
 
 
 def packed_documents(lengths: list[int], vocab_size: int, seed: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:

@@ -40,14 +40,14 @@ def _run(command: list[str], env: dict[str, str] | None = None) -> None:
     assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
 
 
-def assert_same_log(got: Path, want: Path, rtol: float, extra_tokens: int = 0) -> None:
+def assert_same_log(got: Path, want: Path, rtol: float, extra_tokens: int = 0, skip: tuple[str, ...] = ()) -> None:
     """Every logged value equal to one process's, and every metric there: 4 training steps,
     2 evaluations."""
     logged = log_history(want)
     assert sum("mean_token_accuracy" in e for e in logged) == 4 and sum("eval_mean_token_accuracy" in e for e in logged) == 2
     losses = [e["loss"] for e in logged if "loss" in e]
     assert losses[-1] < losses[0] and any(e.get("mean_token_accuracy", 0) > 0 for e in logged)  # it trained
-    assert_same_log_history(got, want, rtol=rtol, extra_tokens=extra_tokens)
+    assert_same_log_history(got, want, rtol=rtol, extra_tokens=extra_tokens, skip=skip)
 
 
 def single(out: Path, mode: str, *flags: str) -> Path:
@@ -79,8 +79,11 @@ def padded(tmp_path_factory) -> Path:
 def test_sft_trainer_logs_what_one_process_logs(padded, tmp_path, config, mode, per_device, env, extra_tokens):
     out = tmp_path / "run"
     _run(accelerate_launch_command(config, SCRIPT, str(out), mode, per_device), env)
-    # fp32 rtol 1e-5: FSDP2's (and cp's, tp's) reduction order.
-    assert_same_log(out, padded, rtol=1e-5, extra_tokens=extra_tokens)
+    # fp32 rtol 1e-5: FSDP2's (and cp's, tp's) reduction order. Padding-free rows carry no attention
+    # mask: the Trainer's non-padding count then takes their EOS tokens (the pad token) for padding,
+    # the padded reference's mask does not, so that count is compared between padded runs only.
+    skip = ("num_input_tokens_seen",) if mode == "padding_free" else ()
+    assert_same_log(out, padded, rtol=1e-5, extra_tokens=extra_tokens, skip=skip)
 
 
 def test_sft_trainer_with_lora_logs_what_one_process_logs(tmp_path):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..parallel.losses import IGNORE_INDEX, VOCAB_GROUP_ATTR
-from ..parallel.tiled_head import linear_token_stats
+from ..parallel.tiled_head import linear_token_stats, lm_head_weights
 
 FUSED_HEAD_ATTR = "_qwen35_accel_fused_head"  # marks the forward this module installed
 # Text-config attributes by which TRL's head rescales the logits; Qwen3.5 sets none of them.
@@ -68,7 +68,6 @@ def _vocab_parallel_fused_forward(
 ) -> Any:
     """TRL's `_fused_forward(fused_lm_head=True)` contract (see `trl.trainer.utils.add_fused_lm_head`)
     for a vocab-parallel lm_head: every per-token field is the whole vocabulary's."""
-    from torch.distributed.tensor import DTensor
     from trl.trainer.utils import FusedCausalLMOutput
 
     text_config = model.config.get_text_config()
@@ -81,11 +80,7 @@ def _vocab_parallel_fused_forward(
         hidden_states, labels = hidden_states[:, :-1], labels[:, 1:]
     else:
         labels = shift_labels
-    lm_head = model.get_output_embeddings()
-    weight, bias = lm_head.weight, lm_head.bias
-    if isinstance(weight, DTensor):  # an FSDP2 shard outside the tail unit's forward
-        weight = weight.full_tensor()
-        bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
+    weight, bias = lm_head_weights(model.get_output_embeddings(), hidden_states)
     labels = labels.to(weight.device)
     mask = labels != IGNORE_INDEX
     hidden_states = hidden_states.to(weight.device)

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 # Per-token outputs besides the target's log-probability, computed only when asked for.
 OPTIONAL_STATS: tuple[str, ...] = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -39,6 +40,15 @@ def token_tile_size(local_vocab: int, tile_bytes: int = TILE_BYTES) -> int:
     if local_vocab <= 0 or tile_bytes <= 0:
         raise ValueError(f"token_tile_size needs a positive vocab and byte budget; got {local_vocab}, {tile_bytes}")
     return max(8, tile_bytes // (4 * local_vocab) // 8 * 8)
+
+
+def lm_head_weights(lm_head: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The lm_head's (weight, bias) as its own forward would use them, after running the
+    module on zero tokens: its hooks gather an FSDP2 unit of its own (a tail split by dtype)
+    and register it for the end of backward's reduce-scatter, which reading `.weight` alone
+    would skip (leaving a sharded DTensor)."""
+    lm_head(hidden_states[:0])
+    return lm_head.weight, lm_head.bias
 
 
 class TokenStats(NamedTuple):

@@ -28,7 +28,7 @@ from torch import nn
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from .losses import CP_NEEDS_SHIFT_LABELS, IGNORE_INDEX, VOCAB_GROUP_ATTR, CausalLMLoss, reduce_token_loss
-from .tiled_head import linear_cross_entropy_sum
+from .tiled_head import linear_cross_entropy_sum, lm_head_weights
 
 TILED_LOSS_ATTR = "_qwen35_tiled_loss"  # False on an installed model: Transformers' path again
 TILE_ATTR = "_qwen35_tiled_loss_tile"  # tokens per tile; None: `token_tile_size` of the local vocab
@@ -67,13 +67,13 @@ def tiled_causal_lm_loss(
         if cp_group is not None:
             raise ValueError(CP_NEEDS_SHIFT_LABELS)
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    lm_head = model.get_output_embeddings()
+    weight, bias = lm_head_weights(model.get_output_embeddings(), hidden_states)
     targets = shift_labels.reshape(-1).to(hidden_states.device)
     labelled = targets != ignore_index
     local_sum = linear_cross_entropy_sum(
         hidden_states.reshape(-1, hidden_states.shape[-1])[labelled],
-        lm_head.weight,
-        lm_head.bias,
+        weight,
+        bias,
         targets[labelled],
         group=getattr(model, VOCAB_GROUP_ATTR, None),
         tile=getattr(model, TILE_ATTR, None),

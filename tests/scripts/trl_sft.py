@@ -71,9 +71,7 @@ def main(out: str, mode: str, per_device: int, packing_hook: bool, lora: bool, e
         learning_rate=3.0 if lora else 0.3,  # the adapters start at zero (B = 0): a larger step to move the metrics
         lr_scheduler_type="constant",
         logging_steps=1,
-        # The Trainer's own token count, logged and compared too; padding-free rows have no attention mask (their
-        # count would take the EOS tokens for padding, unlike the padded reference's).
-        include_num_input_tokens_seen="no" if mode == "padding_free" else "non_padding",
+        include_num_input_tokens_seen="non_padding",  # the Trainer's own token count, logged and compared too
         save_strategy="no",
         report_to="none",
         seed=0,

@@ -53,3 +53,14 @@ def describe(result: subprocess.CompletedProcess[str]) -> str:
         f"exit {result.returncode}: {' '.join(map(str, result.args))}\n--- stdout tail ---\n{result.stdout[-3000:]}\n"
         f"--- stderr tail ---\n{result.stderr[-5000:]}"
     )
+
+
+def assert_refused_on_every_rank(result: subprocess.CompletedProcess[str], kind: str, message_start: str) -> None:
+    """The launch failed, left no process behind, and every rank's error report is `kind` with a
+    message starting `message_start` (the launcher may stop ranks before they print, so at
+    least one report)."""
+    import re
+
+    assert result.returncode != 0 and not getattr(result, "leftover_processes", False), describe(result)
+    reports = re.findall(r"\[rank\d\]: (\w+(?:Error|Exception)): (.*)", result.stderr)
+    assert reports and all(k == kind and text.startswith(message_start) for k, text in reports), describe(result)

@@ -16,7 +16,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from _parity import assert_close, assert_grads_match
 from qwen35_accel.parallel.tiled_loss import install_tiled_loss, uses_tiled_loss
-from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
+from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_vlm, mixed_vlm_batch, random_batch
 
 
 def _batch(vocab: int) -> dict[str, torch.Tensor]:
@@ -41,6 +41,27 @@ def test_tiled_loss_equals_transformers_loss_and_gradients(tie, num_items_in_bat
     want.loss.backward()
     got.loss.backward()
     assert_grads_match(model, reference)
+
+
+@pytest.mark.parametrize("media", [["image", "video"], ["image", None]], ids=["image-video", "image-text"])
+def test_vlm_tiled_loss_equals_transformers_loss_and_gradients(media):
+    """The VLM takes the same loss after its vision tower and mRoPE: the loss and every
+    gradient (the tower's included) equal Transformers', and the output keeps the VLM's fields."""
+    reference = build_tiny_vlm(seed=0)
+    model = build_tiny_vlm(seed=0)
+    assert install_tiled_loss(model, tile=8) and uses_tiled_loss(model)
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    batch = mixed_vlm_batch(model.config, media, 24, seed=5)
+    batch["labels"][0, :5] = -100
+    want, got = reference(**batch), model(**batch)
+    assert got.logits is None and type(got) is type(want)
+    assert (got.image_outputs is None) == (want.image_outputs is None), "image_outputs"
+    assert_close(got.loss, want.loss, "loss")
+    want.loss.backward()
+    got.loss.backward()
+    assert_grads_match(model, reference)
+    with torch.no_grad():  # evaluation keeps Transformers' logits
+        assert torch.equal(model(**batch).logits, reference(**batch).logits)
 
 
 def test_forwards_that_are_not_training_steps_keep_transformers_logits():

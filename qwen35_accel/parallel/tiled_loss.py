@@ -1,6 +1,7 @@
 """A training loss that never holds `[tokens, vocab]`: the lm_head and the cross entropy in tiles.
 
-`install_tiled_loss(model)` gives a `Qwen3_5ForCausalLM` a forward that, when autograd is
+`install_tiled_loss(model)` gives a `Qwen3_5ForCausalLM` or a `Qwen3_5ForConditionalGeneration`
+(the VLM: the same loss after its vision tower and mRoPE) a forward that, when autograd is
 recording and `labels` are given (a training step), runs the backbone and computes the loss
 with `linear_cross_entropy_sum` over the labelled positions only, tile by tile (its gradients
 computed in forward, so no GEMM is repeated), and returns `logits=None`: nothing of size
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from .losses import CP_NEEDS_SHIFT_LABELS, IGNORE_INDEX, VOCAB_GROUP_ATTR, CausalLMLoss, reduce_token_loss
@@ -33,6 +35,11 @@ from .tiled_head import linear_cross_entropy_sum, lm_head_weights
 TILED_LOSS_ATTR = "_qwen35_tiled_loss"  # False on an installed model: Transformers' path again
 TILE_ATTR = "_qwen35_tiled_loss_tile"  # tokens per tile; None: `token_tile_size` of the local vocab
 _TILED_CLASSES: dict[type, type] = {}
+# The classes that take the tiled loss, with the output class of their forward.
+_OUTPUT_CLASSES: dict[type, type] = {
+    hf.Qwen3_5ForCausalLM: hf.CausalLMOutputWithPast,
+    hf.Qwen3_5ForConditionalGeneration: MultimodalCausalLMOutputWithPast,
+}
 
 
 def uses_tiled_loss(model: nn.Module) -> bool:
@@ -99,9 +106,11 @@ def _tiled_class(cls: type) -> type:
         # As Transformers' forward: every other kwarg reaches the backbone and the loss alike.
         outputs = self.model(**kwargs)
         loss = tiled_causal_lm_loss(self, outputs.last_hidden_state, labels, **kwargs)
-        result = hf.CausalLMOutputWithPast(
-            loss=loss, logits=None, cache=outputs.cache, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+        fields = {"cache": outputs.cache, "hidden_states": outputs.hidden_states, "attentions": outputs.attentions}
+        if isinstance(self, hf.Qwen3_5ForConditionalGeneration):
+            fields.update(image_outputs=outputs.image_outputs, video_outputs=outputs.video_outputs)
+        output_class = next(out for model_class, out in _OUTPUT_CLASSES.items() if isinstance(self, model_class))
+        result = output_class(loss=loss, logits=None, **fields)
         return result.to_tuple() if return_dict is False else result
 
     tiled = type(cls.__name__, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": cls.__qualname__})
@@ -110,10 +119,10 @@ def _tiled_class(cls: type) -> type:
 
 
 def install_tiled_loss(model: nn.Module, *, tile: int | None = None) -> bool:
-    """Give `model` (a `Qwen3_5ForCausalLM`, unsharded) the tiled training loss, `tile` tokens
-    per tile (default: `token_tile_size` of the lm_head's rows); returns False, changing
-    nothing, for other classes (the VLM keeps Transformers' loss). Idempotent."""
-    if not isinstance(model, hf.Qwen3_5ForCausalLM):
+    """Give `model` (a `Qwen3_5ForCausalLM` or `Qwen3_5ForConditionalGeneration`, unsharded)
+    the tiled training loss, `tile` tokens per tile (default: `token_tile_size` of the
+    lm_head's rows); returns False, changing nothing, for other classes. Idempotent."""
+    if not isinstance(model, tuple(_OUTPUT_CLASSES)):
         return False
     if model.__class__ not in _TILED_CLASSES.values():
         model.__class__ = _tiled_class(model.__class__)

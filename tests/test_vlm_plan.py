@@ -23,6 +23,15 @@ CASES = [("trainable", "root"), ("frozen", "root"), ("frozen", "replicate"), ("f
 TOLERANCE = 0.10  # activations only: the memory model's bound (tests/test_memory_model.py); bytes held are exact
 
 
+def _config():
+    """The tiny VLM's config with a 5 x 5 position grid: 25 rows, which FSDP2 splits 13 + 12."""
+    from qwen35_accel.testing.tiny import tiny_vlm_config
+
+    config = tiny_vlm_config()
+    config.vision_config.num_position_embeddings = 25
+    return config
+
+
 def _plan(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "qwen35_accel.cli", "plan", *args], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env={**os.environ, **(env or {})})
@@ -43,9 +52,12 @@ def _measure(rank: int, tower: str, sharding: str) -> dict:
 
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.parallel.fsdp import fsdp_units
-    from qwen35_accel.testing.tiny import build_tiny_vlm, random_vlm_batch
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    model = build_tiny_vlm(seed=0, dtype=torch.bfloat16)
+    from qwen35_accel.testing.tiny import random_vlm_batch
+
+    torch.manual_seed(0)
+    model = hf.Qwen3_5ForConditionalGeneration(_config()).to(torch.bfloat16)
     visual = model.model.visual
     if tower == "frozen":
         visual.requires_grad_(False)
@@ -97,11 +109,9 @@ def _world(rank: int, world: int, out: str) -> None:
 
 @pytest.mark.multiprocess
 def test_plan_lists_the_vision_towers_units_and_bytes_as_the_sharded_model_holds_them(tmp_path):
-    from qwen35_accel.testing.tiny import tiny_vlm_config
-
     run_world(_world, 2, str(tmp_path / "measured"))
     ranks = [json.loads((tmp_path / f"measured.{r}.json").read_text()) for r in range(2)]
-    config = tiny_vlm_config()
+    config = _config()
     config.dtype = "bfloat16"
     config.save_pretrained(tmp_path / "model")
     yaml = tmp_path / "bf16.yaml"  # world 2 (dp_shard 2), as the gloo run above

@@ -1,15 +1,17 @@
 """`qwen35-accel`: see what a launch will do, without GPUs or weights.
 
-    qwen35-accel plan --model PATH|tiny --config accelerate_configs/X.yaml [--seq-len N] [--backend nccl|gloo] [--json]
+    qwen35-accel plan --model PATH|tiny|tiny-vlm --config accelerate_configs/X.yaml [--seq-len N] [--backend nccl|gloo] [--json]
                       [--batch-size B] [--optimizer adamw|sgd|none] [--gpu-memory 141GB [--suggest]]
+                      [--vision-tower trainable|frozen|none] [--image-tokens N]
     qwen35-accel env [--json]
 
 Argument parsing only: `plan` (the `plan` module) builds the model on the meta device and
 runs the real parallelizer over a fake process group of the config's world size, then
-reports the mesh, every FSDP2 unit per decoder layer and the context-parallel layout with
-its per-layer communication, and the memory per rank of a training step (`memory_model`):
-whether it fits `--gpu-memory`, and with `--suggest` the smallest cp that does; `env` (the `env` module) reports versions, the plugin's
-activation, its patch points and settings.
+reports the mesh, every FSDP2 unit per decoder layer, a VLM's vision tower (its units and
+bytes per rank) and the context-parallel layout with its per-layer communication, and the
+memory per rank of a training step (`memory_model`): whether it fits `--gpu-memory`, and
+with `--suggest` the smallest cp that does; `env` (the `env` module) reports versions, the
+plugin's activation, its patch points and settings.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import json
 import sys
 
 from .env import env, print_env
-from .plan import PlanError, memory_options, plan, print_plan
+from .plan import VISION_TOWER_CHOICES, PlanError, memory_options, plan, print_plan
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qwen35-accel", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_plan = sub.add_parser("plan", help="mesh, FSDP2 units per layer, CP layout (meta device, no GPU)")
-    p_plan.add_argument("--model", required=True, help="a model directory / config.json, or 'tiny'")
+    p_plan.add_argument("--model", required=True, help="a model directory / config.json, 'tiny' or 'tiny-vlm'")
     p_plan.add_argument("--config", required=True, help="an Accelerate YAML (accelerate_configs/…)")
     p_plan.add_argument("--seq-len", type=int, default=4096, help="sequence length for the CP traffic figures")
     p_plan.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
@@ -38,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--gpu-memory", help="memory per GPU, e.g. 141GB, 139.8GiB, 80000MB: says whether the step fits")
     p_plan.add_argument("--suggest", action="store_true",
                         help="with --gpu-memory: the smallest cp (activation checkpointing on) that fits on the config's GPUs")
+    p_plan.add_argument("--vision-tower", choices=VISION_TOWER_CHOICES,
+                        help="a VLM config's vision tower: trainable (default), frozen (as the run freezes it; "
+                             "QWEN35_ACCEL_FROZEN_MULTIMODAL_SHARDING says how it is held), none (the text model alone)")
+    p_plan.add_argument("--image-tokens", type=int, default=0,
+                        help="image and video tokens per rank's micro-batch, part of batch-size x seq-len "
+                             "(the tower encodes merge^2 patches each); 0 (default): a text-only step")
     p_env = sub.add_parser("env", help="versions, plugin status, patch points, settings")
     p_env.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -48,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             gpu_memory = memory_options(args.gpu_memory, args.batch_size, args.optimizer, args.suggest)
             result = plan(args.model, args.config, args.seq_len, args.backend, batch_size=args.batch_size,
-                          optimizer=args.optimizer, gpu_memory=gpu_memory, suggest=args.suggest)
+                          optimizer=args.optimizer, gpu_memory=gpu_memory, suggest=args.suggest,
+                          vision_tower=args.vision_tower, image_tokens=args.image_tokens)
         except PlanError as error:
             print(f"qwen35-accel plan: {error}", file=sys.stderr)
             return 2

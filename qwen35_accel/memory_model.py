@@ -17,7 +17,11 @@ the step's options (`StepOptions`); nothing is built or run. Per rank:
 - transient: the peak of what lives only for a moment: the FSDP2 units gathered at the
   prefetch depths (with one unit's unsharded gradient in backward), and the largest of the
   loss's working logits, CP's gathered K/V (and its gradient) in an attention layer, and
-  a layer recomputed under checkpointing.
+  a layer recomputed under checkpointing;
+- a VLM's vision tower (`VisionTower`, `vision_estimate`, added by `step_estimate`): its
+  parameters as FSDP2 holds them (trainable or frozen, per `frozen_multimodal_sharding`),
+  gradients and optimizer state when trainable, and what its blocks keep for a given number
+  of image tokens (`tests/test_vlm_plan.py` checks them against the sharded tiny VLM).
 
 The activation and loss formulas were written from what saved-tensor hooks record on the
 unmodified Transformers model and on this package's CP/TP layers (`tests/test_memory_model.py`
@@ -442,32 +446,38 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def suggest_cp(shape: ModelShape, parallel: Parallel, options: StepOptions, gpu_bytes: int) -> int | None:
+def suggest_cp(
+    shape: ModelShape, parallel: Parallel, options: StepOptions, gpu_bytes: int, vision: VisionTower | None = None
+) -> int | None:
     """The smallest cp (checkpointing on) whose plan fits `gpu_bytes` with the same world
     size and tp (cp taken from dp_shard), or None. cp must divide the world left by tp and
-    dp_replicate, and 2·cp must divide seq_len."""
+    dp_replicate, and 2·cp must divide seq_len. `vision`: a VLM's tower (`step_estimate`)."""
     budget = parallel.world // (parallel.tp * parallel.dp_replicate)
     checkpointed = _replace(options, activation_checkpointing=True)
     for cp in range(1, budget + 1):
         if budget % cp or options.seq_len % (2 * cp if cp > 1 else 1):
             continue
         candidate = Parallel(parallel.dp_replicate, budget // cp, cp, parallel.tp, parallel.vocab_parallel_lm_head)
-        if estimate(shape, candidate, checkpointed).total <= gpu_bytes:
+        if step_estimate(shape, candidate, checkpointed, vision).total <= gpu_bytes:
             return cp
     return None
 
 
-def longest_seq_len(shape: ModelShape, parallel: Parallel, options: StepOptions, gpu_bytes: int, step: int = 1024) -> int:
-    """The longest multiple of `step` (and of 2·cp) whose plan fits `gpu_bytes`; 0 if none."""
+def longest_seq_len(
+    shape: ModelShape, parallel: Parallel, options: StepOptions, gpu_bytes: int, step: int = 1024,
+    vision: VisionTower | None = None,
+) -> int:
+    """The longest multiple of `step` (and of 2·cp) whose plan fits `gpu_bytes`; 0 if none.
+    `vision`: a VLM's tower, its image tokens unchanged (`step_estimate`)."""
     step = math.lcm(step, 2 * parallel.cp)
-    if estimate(shape, parallel, _replace(options, seq_len=step)).total > gpu_bytes:
+    if step_estimate(shape, parallel, _replace(options, seq_len=step), vision).total > gpu_bytes:
         return 0
     low, high = 1, 2
-    while estimate(shape, parallel, _replace(options, seq_len=high * step)).total <= gpu_bytes:
+    while step_estimate(shape, parallel, _replace(options, seq_len=high * step), vision).total <= gpu_bytes:
         low, high = high, high * 2
     while high - low > 1:
         middle = (low + high) // 2
-        if estimate(shape, parallel, _replace(options, seq_len=middle * step)).total <= gpu_bytes:
+        if step_estimate(shape, parallel, _replace(options, seq_len=middle * step), vision).total <= gpu_bytes:
             low = middle
         else:
             high = middle
@@ -484,17 +494,19 @@ def _gib(n: int) -> str:
 
 
 def memory_report(
-    shape: ModelShape, parallel: Parallel, options: StepOptions, gpu_bytes: int | None = None, suggest: bool = False
+    shape: ModelShape, parallel: Parallel, options: StepOptions, gpu_bytes: int | None = None, suggest: bool = False,
+    vision: VisionTower | None = None,
 ) -> dict[str, Any]:
     """What `plan --json` carries: `memory_per_rank` (bytes), the step it assumes, and with
     `gpu_bytes` whether it fits (`fits`, `margin_bytes` = gpu_bytes − total) and, with
-    `suggest`, `suggested_cp` (`suggest_cp`; None if no cp fits)."""
-    per_rank = estimate(shape, parallel, options).as_dict()
+    `suggest`, `suggested_cp` (`suggest_cp`; None if no cp fits). `vision`: a VLM's tower,
+    included in `memory_per_rank` (`step_estimate`)."""
+    per_rank = step_estimate(shape, parallel, options, vision).as_dict()
     report: dict[str, Any] = {"memory_per_rank": per_rank, "memory_assumptions": asdict(options)}
     if gpu_bytes is not None:
         report.update(gpu_memory_bytes=gpu_bytes, fits=per_rank["total"] <= gpu_bytes, margin_bytes=gpu_bytes - per_rank["total"])
         if suggest:
-            report["suggested_cp"] = suggest_cp(shape, parallel, options, gpu_bytes)
+            report["suggested_cp"] = suggest_cp(shape, parallel, options, gpu_bytes, vision)
     return report
 
 
@@ -520,3 +532,198 @@ def describe(report: dict[str, Any], gpus: int) -> list[str]:
             else f"  suggested: none: no cp on {gpus} GPUs fits, even with activation checkpointing"
         )
     return lines
+
+
+# The vision tower of a Qwen3.5 VLM (`Qwen3_5ForConditionalGeneration`).
+
+VISION_FROZEN_SHARDINGS = ("root", "replicate", "shard")  # QWEN35_ACCEL_FROZEN_MULTIMODAL_SHARDING
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """The sizes of a Qwen3.5 vision tower (`Qwen3_5VisionModel`) that memory depends on."""
+
+    hidden: int
+    intermediate: int
+    depth: int
+    heads: int
+    in_channels: int
+    patch: int
+    temporal_patch: int
+    merge: int  # spatial_merge_size: merge x merge patches make one token of the text sequence
+    out_hidden: int
+    position_embeddings: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> VisionShape | None:
+        """From a Transformers Qwen3.5 config; None for a text config (no `vision_config`)."""
+        vision = getattr(config, "vision_config", None)
+        if vision is None:
+            return None
+        return cls(
+            hidden=vision.hidden_size,
+            intermediate=vision.intermediate_size,
+            depth=vision.depth,
+            heads=vision.num_heads,
+            in_channels=vision.in_channels,
+            patch=int(vision.patch_size),
+            temporal_patch=int(vision.temporal_patch_size),
+            merge=vision.spatial_merge_size,
+            out_hidden=vision.out_hidden_size,
+            position_embeddings=vision.num_position_embeddings,
+        )
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch (a row of `pixel_values`)."""
+        return self.in_channels * self.temporal_patch * self.patch**2
+
+    def block_parameters(self) -> list[tuple[int, ...]]:
+        """Shapes of one vision block's parameters: two LayerNorms, qkv and proj, the MLP."""
+        h, i = self.hidden, self.intermediate
+        return [(h,)] * 4 + [(3 * h, h), (3 * h,), (h, h), (h,), (i, h), (i,), (h, i), (h,)]
+
+    def outer_parameters(self) -> list[tuple[int, ...]]:
+        """Shapes of the parameters outside the blocks: patch embedding (a Conv3d), position
+        embedding, merger (LayerNorm, two Linears on merge² patches)."""
+        h, merged = self.hidden, self.hidden * self.merge**2
+        return [
+            (h, self.in_channels, self.temporal_patch, self.patch, self.patch), (h,), (self.position_embeddings, h),
+            (h,), (h,), (merged, merged), (merged,), (self.out_hidden, merged), (self.out_hidden,),
+        ]
+
+    def parameters(self) -> int:
+        """All parameters of the tower."""
+        return self.depth * _elements(self.block_parameters()) + _elements(self.outer_parameters())
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """A VLM's vision tower as a training step uses it.
+
+    `trainable`: whether it trains (else frozen: no gradients, no optimizer state, no
+    activations); `frozen_sharding`: a frozen tower's `frozen_multimodal_sharding`;
+    `image_tokens`: image and video tokens in a rank's micro-batch (whole sequences, before
+    CP; the tower encodes merge² patches per token), 0 for a text-only step; `storage_bytes`:
+    a frozen tower's storage dtype size (Accelerate upcasts only trainable parameters to fp32
+    under a bf16/fp16 policy; a trainable tower uses `StepOptions.param_bytes`).
+    """
+
+    shape: VisionShape
+    trainable: bool = True
+    frozen_sharding: str = "root"
+    image_tokens: int = 0
+    storage_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        if self.frozen_sharding not in VISION_FROZEN_SHARDINGS:
+            raise ValueError(
+                f"frozen_sharding {self.frozen_sharding!r} is not one of {', '.join(VISION_FROZEN_SHARDINGS)}; pass one of them"
+            )
+        if self.image_tokens < 0:
+            raise ValueError(f"image_tokens {self.image_tokens} is negative; pass 0 (a text-only step) or more")
+
+    @property
+    def layout(self) -> str:
+        """How FSDP2 holds the tower (`PARALLELIZER.apply`): "units" (one unit per block, the
+        rest in the root unit: a trainable tower, or frozen under "shard"), "root" (every
+        parameter in the root unit) or "replicate" (not sharded: whole on every rank)."""
+        return "units" if self.trainable or self.frozen_sharding == "shard" else self.frozen_sharding
+
+    def patches_per_rank(self, parallel: Parallel) -> int:
+        """Patches the tower encodes on a rank per micro-step: the image tokens' merge² patches
+        each, split over the cp ranks; a text-only step of a tower with units runs the
+        placeholder image (one token) instead."""
+        tokens = self.image_tokens or (1 if self.layout == "units" else 0)
+        return -(-tokens * self.shape.merge**2 // parallel.cp)
+
+
+def _elements(shapes: list[tuple[int, ...]]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+def _shard_elements(shapes: list[tuple[int, ...]], shards: int) -> int:
+    """Elements on the most loaded rank (rank 0) when FSDP2 splits each tensor's dim 0 in `shards`."""
+    return sum(-(-s[0] // shards) * math.prod(s[1:]) for s in shapes)
+
+
+def vision_activations(
+    shape: VisionShape, patches: int, compute_bytes: int, device: Device = "cuda", *, cast_block_inputs: bool = False
+) -> int:
+    """Bytes a trainable tower keeps for backward for `patches` patches (sdpa attention per image).
+
+    Per block: the LayerNorms' inputs and mean/rstd (fp32 on CUDA, the input dtype on CPU),
+    qkv's input and output (the value is a view of it), the rotated query and key, the
+    attention output and fp32 log-sum-exp, proj's input, the MLP's input, fc1's output and
+    the activation's output. Once: the patches cast to the compute dtype (the Conv3d's
+    input), the position-embedding indices and fp32 weights (4 per patch), the fp32 rotary
+    cos and sin, and the merger (LayerNorm input and stats, both Linears' inputs, GELU's).
+    `cast_block_inputs`: the blocks are FSDP2 units under a bf16/fp16 policy, which casts
+    their inputs, cos and sin included; each block's rotary then keeps fp32 copies of its own."""
+    h, i, c = shape.hidden, shape.intermediate, compute_bytes
+    stats = 4 if device == "cuda" else c
+    rotary = 2 * (h // shape.heads) * 4  # cos and sin, fp32
+    block = 11 * h * c + 2 * i * c + 4 * stats + 4 * shape.heads + (rotary if cast_block_inputs else 0)
+    outside = shape.patch_dim * c + 8 * 4 + 4 * 4 + (0 if cast_block_inputs else rotary) + 4 * h * c + 2 * stats
+    return patches * (shape.depth * block + outside)
+
+
+def vision_estimate(vision: VisionTower, parallel: Parallel, options: StepOptions) -> MemoryEstimate:
+    """The vision tower's share of a training step's memory per rank (the most loaded rank).
+
+    Parameters: FSDP2 shards over dp_shard × cp (whole under "replicate"; replicated over
+    tp: the tower has no TP plan), fp32 masters when trainable under a bf16/fp16 policy, the
+    storage dtype when frozen. Gradients and optimizer state: the trainable shard's. The
+    tower is not checkpointed. Transient: the root unit's vision parameters, gathered in the
+    compute dtype for the whole step ("root": the whole tower), plus, while the tower runs,
+    a block unit and the next one FSDP2 prefetches (backward: with the running unit's
+    unsharded gradient, copied to fp32 for the reduce-scatter); the tower runs before the
+    decoder in forward and after it in backward, so counting it beside the decoder's peak
+    overstates the step's peak by at most that much.
+    """
+    shape, shards, c = vision.shape, parallel.fsdp_shards, options.compute_bytes
+    blocks, outer = shape.block_parameters() * shape.depth, shape.outer_parameters()
+    p = options.param_bytes if vision.trainable else vision.storage_bytes
+    block = _elements(shape.block_parameters())
+    if vision.layout == "replicate":
+        held, gathered = _elements(blocks) + _elements(outer), 0
+    elif vision.layout == "root":
+        held, gathered = _shard_elements(blocks + outer, shards), shape.parameters() * c
+    else:
+        held = _shard_elements(blocks, shards) + _shard_elements(outer, shards)
+        gathered = _elements(outer) * c + 2 * block * c + (block * (c + 4) if vision.trainable else 0)
+    trained = held if vision.trainable else 0
+    patches = vision.patches_per_rank(parallel) if vision.trainable else 0
+    return MemoryEstimate(
+        parameters=held * p,
+        gradients=trained * p,
+        optimizer_states=trained * p * _OPTIMIZER_STATES[options.optimizer],
+        activations=vision_activations(shape, patches, c, options.device,
+                                       cast_block_inputs=vision.layout == "units" and c < options.param_bytes),
+        loss=0,
+        transient=gathered,
+    )
+
+
+def step_estimate(shape: ModelShape, parallel: Parallel, options: StepOptions, vision: VisionTower | None = None) -> MemoryEstimate:
+    """`estimate` of the decoder plus, for a VLM, `vision_estimate` of its tower."""
+    text = estimate(shape, parallel, options)
+    if vision is None:
+        return text
+    tower = vision_estimate(vision, parallel, options)
+    return MemoryEstimate(**{key: getattr(text, key) + getattr(tower, key) for key in asdict(text)})
+
+
+def describe_vision(tower: dict[str, Any]) -> list[str]:
+    """The vision tower's memory line under `describe`'s; `tower`: `plan`'s `vision_tower`
+    (`layout`, `image_tokens`, `patches_per_rank`, `cp`, `memory_per_rank` from `vision_estimate`)."""
+    if tower["image_tokens"]:
+        step = f"{tower['image_tokens']} image tokens per micro-step, {tower['patches_per_rank']} patches per rank"
+        if tower["cp"] > 1:
+            step += f", assumed split evenly over the cp {tower['cp']} ranks"
+    else:
+        step = "a text-only step: --image-tokens 0" + (
+            f", the placeholder image's {tower['patches_per_rank']} patches" if tower["layout"] == "units" else "")
+    memory = tower["memory_per_rank"]
+    return [f"  of which vision tower ({step}): "
+            + ", ".join(f"{key} {_gib(value)}" for key, value in memory.items() if key not in ("loss", "total"))]

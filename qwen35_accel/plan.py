@@ -4,6 +4,7 @@
 process over a fake process group of the config's world size (torch's "fake" backend:
 collectives are no-ops, shapes and placements are real), then reports the mesh, every
 FSDP2 unit per decoder layer (modules, storage/compute dtype, parameters, bytes per
+rank), a VLM's vision tower (its units, or where else FSDP2 holds it, and its bytes per
 rank) and the context-parallel layout with its per-layer communication.
 """
 
@@ -50,11 +51,18 @@ def _sizes(cluster: Any) -> dict[str, int]:
     return {"world": world, **sizes}
 
 
+VISION_TOWER_CHOICES = ("trainable", "frozen", "none")
+
+
 def _model_config(model: str) -> Any:
     if model == "tiny":
         from .model.tiny import tiny_text_config
 
         return tiny_text_config()
+    if model == "tiny-vlm":
+        from .model.tiny import tiny_vlm_config
+
+        return tiny_vlm_config()
     from transformers import AutoConfig
 
     try:
@@ -139,12 +147,83 @@ def _cp_comm(
 
 def _unit_label(modules: list[str]) -> str:
     """A unit's modules in at most 52 characters (if they do not fit: the first and a count)."""
-    if not modules:
+    if not modules or modules == [""]:
         return "(root)"
     label = "+".join(modules)
     if len(label) > 52 and len(modules) > 1:
         label = f"{modules[0]} +{len(modules) - 1} more"
     return label[-52:]
+
+
+def _vision_tower_choice(model: str, config: Any, choice: str | None, image_tokens: int, tokens: int) -> str:
+    """`--vision-tower` checked against the config: "trainable", "frozen" or "none"."""
+    if choice is not None and choice not in VISION_TOWER_CHOICES:
+        raise PlanError(f"--vision-tower {choice!r} is not one of {', '.join(VISION_TOWER_CHOICES)}; pass one of them")
+    if getattr(config, "vision_config", None) is None:
+        if choice in ("trainable", "frozen") or image_tokens:
+            given = f"--vision-tower {choice}" if choice in ("trainable", "frozen") else f"--image-tokens {image_tokens}"
+            raise PlanError(f"{given}: --model {model} is a text model without a vision tower; drop the flag or pass a VLM config")
+        return "none"
+    choice = choice or "trainable"
+    if image_tokens < 0 or image_tokens > tokens or (choice == "none" and image_tokens):
+        need = "0 with --vision-tower none" if choice == "none" else f"0 to {tokens} (batch size x seq len: they are part of the sequence)"
+        raise PlanError(f"--image-tokens {image_tokens}: pass {need}")
+    return choice
+
+
+def _meta_model(config: Any, storage: Any, vision_tower: str) -> Any:
+    """The model a run would load, on the meta device: the VLM (`AutoModelForImageTextToText`)
+    for a config with a vision tower unless `vision_tower` is "none", then frozen if "frozen"
+    (before Accelerate's upcast, which leaves frozen parameters in their storage dtype)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForCausalLM if vision_tower == "none" else AutoModelForImageTextToText
+    with torch.device("meta"):
+        net = auto.from_config(config, dtype=storage)
+    if vision_tower == "frozen":
+        from .model.detect import qwen35_parts
+
+        qwen35_parts(net).vision_model.requires_grad_(False)  # type: ignore[union-attr]
+    return net
+
+
+def _in_vision(module: str) -> bool:
+    return "visual" in module.split(".")
+
+
+def _vision_report(net: Any, rows: list[dict[str, Any]], shards: int, vision_tower: str, sharding: str) -> dict[str, Any] | None:
+    """Where FSDP2 holds a VLM's vision tower and its bytes on the most loaded rank: `rows`,
+    the tower's own units (`_units` rows); the parameters the root unit holds; those left
+    unsharded (replicated on every rank). None for a text model."""
+    from .model.detect import qwen35_parts
+    from .parallel.fsdp import fsdp_units
+
+    visual = qwen35_parts(net).vision_model
+    if visual is None or vision_tower == "none":
+        return None
+    params = list(visual.parameters())
+    in_units = {id(p) for names, record in fsdp_units(net) if not all(map(_in_vision, names)) for p in record.parameters()}
+    in_own_units = {id(p) for names, record in fsdp_units(net) if all(map(_in_vision, names)) for p in record.parameters()}
+    root_held = [p for p in params if id(p) in in_units]
+    replicated = [p for p in params if id(p) not in in_units and id(p) not in in_own_units]
+    root_bytes = max(_unit_bytes(root_held, shards, set(), 1)[0]) if root_held else 0
+    replicated_bytes = sum(p.numel() * p.element_size() for p in replicated)
+    trainable = any(p.requires_grad for p in params)
+    return {
+        "trainable": trainable,
+        "frozen_multimodal_sharding": sharding,
+        "layout": "units" if rows else ("replicate" if replicated else "root"),
+        "parameters": sum(p.numel() for p in params),
+        "units": rows,
+        "unit_count": len(rows),
+        "bytes_per_unit_max": max((u["bytes_per_rank_max"] for u in rows), default=0),
+        "root_parameters": sum(p.numel() for p in root_held),
+        "root_bytes_per_rank": root_bytes,
+        "replicated_parameters": sum(p.numel() for p in replicated),
+        "replicated_bytes_per_rank": replicated_bytes,
+        "bytes_per_rank": sum(u["bytes_per_rank_max"] for u in rows) + root_bytes + replicated_bytes,
+    }
 
 
 def plan(
@@ -157,17 +236,21 @@ def plan(
     optimizer: str = "adamw",
     gpu_memory: int | None = None,
     suggest: bool = False,
+    vision_tower: str | None = None,
+    image_tokens: int = 0,
 ) -> dict[str, Any]:
     """The plan as a dict (what `plan --json` prints); `backend` of the cp group (its
     automatic state exchange depends on it; nccl: the memory of a CUDA step, gloo: of a CPU
-    one); `gpu_memory` bytes per GPU for the verdict (`memory_model.memory_report`)."""
+    one); `gpu_memory` bytes per GPU for the verdict (`memory_model.memory_report`).
+    `vision_tower` (a VLM config): "trainable" (default), "frozen", or "none" (the text
+    model alone, as `AutoModelForCausalLM` loads it); `image_tokens`: image and video tokens
+    per rank's micro-batch, whole sequences (0: a text-only step)."""
     import torch
     import torch.distributed as dist
     from accelerate.parallelism_config import ParallelismConfig
 
     from . import memory_model
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    from transformers import AutoModelForCausalLM
 
     from .integrations.settings import PluginSettings
     from .parallel.fsdp import describe_prefetch
@@ -183,6 +266,7 @@ def plan(
     text_config = model_config.get_text_config()
     if seq_len % (2 * sizes["cp"]):
         raise PlanError(f"--seq-len {seq_len} is not divisible by 2*cp = {2 * sizes['cp']}; pass a multiple of it")
+    vision_tower = _vision_tower_choice(model, model_config, vision_tower, image_tokens, batch_size * seq_len)
 
     if not dist.is_initialized():
         dist.init_process_group("fake", rank=0, world_size=sizes["world"])  # collectives are no-ops
@@ -196,8 +280,7 @@ def plan(
     storage = getattr(model_config, "dtype", None) or torch.float32
     if isinstance(storage, str):
         storage = getattr(torch, storage)
-    with torch.device("meta"):
-        net = AutoModelForCausalLM.from_config(model_config, dtype=storage)
+    net = _meta_model(model_config, storage, vision_tower)
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed)
     if compute is not None:  # as Accelerate: fp32 master weights, compute in the policy's dtype
         for p in net.parameters():
@@ -238,7 +321,10 @@ def plan(
             return int(parts[parts.index("layers") + 1])
         return None
 
+    vision_rows = [u for u in units if u["modules"] and all(_in_vision(m) for m in u["modules"])]
     for unit in units:
+        if any(unit is row for row in vision_rows):
+            continue
         owners = {layer_of(m) for m in unit["modules"]}
         index = owners.pop() if len(owners) == 1 else None  # a unit over several layers is listed apart
         if index is not None:
@@ -248,13 +334,14 @@ def plan(
         else:
             other.append(unit)
     sharded_total = sum(u["bytes_all_ranks"] for u in units)
+    tower = _vision_report(net, vision_rows, shards, vision_tower, settings.frozen_multimodal_sharding) if error is None else None
     compute_bytes = _DTYPE_BYTES.get(str(compute or storage).removeprefix("torch."), 4)
     try:
         step = memory_model.StepOptions(
             seq_len=seq_len, batch_size=batch_size, compute_bytes=compute_bytes, optimizer=optimizer,
             param_bytes=4 if compute is not None else _DTYPE_BYTES.get(str(storage).removeprefix("torch."), 4),
             activation_checkpointing=bool(fsdp.get("fsdp_activation_checkpointing")),
-            tiled_loss=settings.tiled_loss,
+            tiled_loss=settings.tiled_loss if vision_tower == "none" else False,  # the VLM keeps Transformers' loss
             forward_prefetch_depth=settings.fsdp2_forward_prefetch_depth if settings.fsdp2_prefetch else 0,
             backward_prefetch_depth=settings.fsdp2_backward_prefetch_depth if settings.fsdp2_prefetch else 0,
             device="cuda" if backend == "nccl" else "cpu",
@@ -262,9 +349,24 @@ def plan(
     except ValueError as exc:
         raise PlanError(str(exc)) from None
     parallel = memory_model.Parallel(sizes["dp_replicate"], sizes["dp_shard"], sizes["cp"], sizes["tp"], settings.vocab_parallel_lm_head)
-    memory = memory_model.memory_report(memory_model.ModelShape.from_config(model_config), parallel, step, gpu_memory, suggest)
+    vision = None
+    if vision_tower != "none":
+        vision = memory_model.VisionTower(
+            memory_model.VisionShape.from_config(model_config), trainable=vision_tower == "trainable",  # type: ignore[arg-type]
+            frozen_sharding=settings.frozen_multimodal_sharding, image_tokens=image_tokens,
+            storage_bytes=_DTYPE_BYTES.get(str(storage).removeprefix("torch."), 4),
+        )
+    if tower is not None and vision is not None:
+        tower.update(
+            image_tokens=image_tokens, patches_per_rank=vision.patches_per_rank(parallel), cp=sizes["cp"],
+            memory_per_rank=memory_model.vision_estimate(vision, parallel, step).as_dict(),
+        )
+    memory = memory_model.memory_report(
+        memory_model.ModelShape.from_config(model_config), parallel, step, gpu_memory, suggest, vision
+    )
+    replicated = tower["replicated_bytes_per_rank"] if tower else 0
     return {
-        "model": model if model == "tiny" else os.path.abspath(model),
+        "model": model if model in ("tiny", "tiny-vlm") else os.path.abspath(model),
         "architecture": type(net).__name__.removeprefix("FSDP"),
         "config": os.path.abspath(config),
         "mesh": sizes,
@@ -272,10 +374,11 @@ def plan(
         "mixed_precision": mixed,
         "parameters": total_params,
         "model_bytes": total_bytes,
-        "sharded_bytes_all_ranks": sharded_total,
-        "bytes_per_rank_max": sum(u["bytes_per_rank_max"] for u in units),
+        "sharded_bytes_all_ranks": sharded_total + replicated,
+        "bytes_per_rank_max": sum(u["bytes_per_rank_max"] for u in units) + replicated,
         "layers": layers,
         "other_units": other,
+        "vision_tower": tower,
         "prefetch": describe_prefetch(net) if error is None else {},
         "context_parallel": _cp_comm(
             text_config, sizes["cp"], sizes["tp"], seq_len, compute_bytes, settings.cp_state_exchange, backend
@@ -292,6 +395,25 @@ def _human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return str(n)
+
+
+def _print_vision(v: dict[str, Any], row: str) -> None:
+    """The vision tower's lines of `print_plan`."""
+    how = {
+        "units": "one FSDP2 unit per block; patch/position embedding and merger in the root unit",
+        "root": "every parameter in the root unit (gathered for the whole step)",
+        "replicate": "not sharded: whole on every rank",
+    }[v["layout"]]
+    state = "trainable" if v["trainable"] else f"frozen, QWEN35_ACCEL_FROZEN_MULTIMODAL_SHARDING={v['frozen_multimodal_sharding']}"
+    print(f"vision tower ({v['parameters']:,} parameters; {state}): {how}")
+    for u in v["units"]:
+        print(row.format(_unit_label(u["modules"]), u["storage"], u["compute"], f"{u['params']:,}", _human(u["bytes_per_rank_max"])))
+    where = [f"{v['unit_count']} units of at most {_human(v['bytes_per_unit_max'])} per rank"] if v["unit_count"] else []
+    if v["root_parameters"]:
+        where.append(f"in the root unit {v['root_parameters']:,} parameters, {_human(v['root_bytes_per_rank'])} per rank")
+    if v["replicated_parameters"]:
+        where.append(f"replicated {v['replicated_parameters']:,} parameters, {_human(v['replicated_bytes_per_rank'])} per rank")
+    print(f"  {'; '.join(where)}; the tower's parameters per rank (max): {_human(v['bytes_per_rank'])}")
 
 
 def print_plan(p: dict[str, Any]) -> None:
@@ -313,6 +435,8 @@ def print_plan(p: dict[str, Any]) -> None:
     print("other units")
     for u in p["other_units"]:
         print(row.format(_unit_label(u["modules"]), u["storage"], u["compute"], f"{u['params']:,}", _human(u["bytes_per_rank_max"])))
+    if p["vision_tower"]:
+        _print_vision(p["vision_tower"], row)
     print(
         f"parameters per rank (max): {_human(p['bytes_per_rank_max'])}; distinct bytes over all ranks: "
         f"{_human(p['sharded_bytes_all_ranks'])} (model: {_human(p['model_bytes'])})"
@@ -343,9 +467,11 @@ def print_plan(p: dict[str, Any]) -> None:
             f"{_human(cp['state_exchange_bytes_per_rank'])}, keeps {_human(cp['state_exchange_kept_bytes_per_rank'])} "
             "for backward per GatedDeltaNet layer"
         )
-    from .memory_model import describe
+    from .memory_model import describe, describe_vision
 
     print("\n".join(describe(p, m["world"])))
+    if p["vision_tower"]:
+        print("\n".join(describe_vision(p["vision_tower"])))
     print(f"planned in {p['seconds']} s, nothing materialised (meta device)")
 
 

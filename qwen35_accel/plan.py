@@ -341,7 +341,7 @@ def plan(
             seq_len=seq_len, batch_size=batch_size, compute_bytes=compute_bytes, optimizer=optimizer,
             param_bytes=4 if compute is not None else _DTYPE_BYTES.get(str(storage).removeprefix("torch."), 4),
             activation_checkpointing=bool(fsdp.get("fsdp_activation_checkpointing")),
-            tiled_loss=settings.tiled_loss if vision_tower == "none" else False,  # the VLM keeps Transformers' loss
+            tiled_loss=settings.tiled_loss,
             forward_prefetch_depth=settings.fsdp2_forward_prefetch_depth if settings.fsdp2_prefetch else 0,
             backward_prefetch_depth=settings.fsdp2_backward_prefetch_depth if settings.fsdp2_prefetch else 0,
             device="cuda" if backend == "nccl" else "cpu",

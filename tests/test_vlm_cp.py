@@ -5,13 +5,16 @@ logits equal one process on the global batch."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_world
-from _parity import assert_close, hf_name
+from _parity import assert_close, assert_same_log_history, hf_name
 
 pytestmark = pytest.mark.multiprocess
 
@@ -146,3 +149,44 @@ def _packed_worker(rank: int, world: int) -> None:
 def test_packed_rows_with_images_are_refused_on_every_rank_under_cp():
     run_world(_packed_worker, 2)
 
+
+SCRIPT = Path(__file__).parent / "scripts" / "vlm_cp.py"
+
+
+def _launched(command: list[str]):
+    from qwen35_accel.testing.launch import run_launch
+
+    return run_launch(command)
+
+
+@pytest.mark.slow
+def test_trainer_with_images_under_cp2_trains_evaluates_and_predicts_as_one_process(tmp_path):
+    """tests/scripts/vlm_cp.py: a collator's VLM batches (images of several sizes across chunk
+    boundaries, a video, padding, a text-only row) under cpu_fsdp2_cp2.yaml: the per-step losses
+    and grad norms, evaluate()'s loss and metrics and predict()'s logits equal one process's."""
+    from qwen35_accel.testing.launch import accelerate_launch_command, describe
+
+    single, launched = tmp_path / "single", tmp_path / "launched"
+    for result in (_launched([sys.executable, str(SCRIPT), str(single)]),
+                   _launched(accelerate_launch_command("cpu_fsdp2_cp2.yaml", SCRIPT, str(launched)))):
+        assert result.returncode == 0 and not result.leftover_processes, describe(result)
+    assert "Qwen3_5ForConditionalGeneration prepared by qwen35_accel" in result.stderr and "cp=2" in result.stderr
+    # fp32: the launch sums the same terms in another order (chunks, ranks).
+    assert_same_log_history(launched, single, rtol=1e-5)
+    got, want = (torch.load(out / "predictions.pt") for out in (launched, single))
+    torch.testing.assert_close(got["label_ids"], want["label_ids"], rtol=0, atol=0)
+    # Where the row has tokens: a right-padded query's output is not defined under CP (test_cp_model).
+    labels = want["label_ids"]
+    last = torch.stack([(row != -100).nonzero().max() for row in labels])
+    real = torch.arange(labels.shape[1])[None] <= last[:, None]
+    assert got["logits"].shape == want["logits"].shape
+    # fp32: logits after 3 layers reduced in another order (observed below 1e-5 relative).
+    torch.testing.assert_close(got["logits"][real], want["logits"][real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_trainer_with_packed_image_rows_under_cp2_is_refused_on_every_rank(tmp_path):
+    from qwen35_accel.testing.launch import accelerate_launch_command, assert_refused_on_every_rank
+
+    result = _launched(accelerate_launch_command("cpu_fsdp2_cp2.yaml", SCRIPT, str(tmp_path / "out"), "--packed"))
+    assert_refused_on_every_rank(result, "NotImplementedError", "packed rows (several documents per row) with images")

@@ -33,6 +33,8 @@ def _check_right_padding(attention_mask: torch.Tensor) -> None:
 
 
 _PAD_VALUES = {"input_ids": 0, "labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0}
+# Padded like the sequence but never sharded: the model under CP reads the whole rows.
+_WHOLE_ROW_PAD_VALUES = {"mm_token_type_ids": 0}
 
 
 def pad_batch_for_context_parallel(batch: dict[str, Any], cp: int) -> dict[str, Any]:
@@ -40,7 +42,7 @@ def pad_batch_for_context_parallel(batch: dict[str, Any], cp: int) -> dict[str, 
     same one when nothing is missing).
 
     Pads `input_ids` (0), `inputs_embeds` (0), `labels`/`shift_labels` (−100),
-    `attention_mask` (0); `position_ids` ([batch, seq] or [k, batch, seq]) continue each
+    `attention_mask` (0), `mm_token_type_ids` (0, text); `position_ids` ([batch, seq] or [k, batch, seq]) continue each
     row's last position, so padded tokens extend the last document of a packed row and
     nothing before them changes (causality). The packed-row forms follow: `cu_seq_lens_q`/
     `cu_seq_lens_k` (offsets in the flattened batch) are rebuilt for the padded rows,
@@ -52,7 +54,7 @@ def pad_batch_for_context_parallel(batch: dict[str, Any], cp: int) -> dict[str, 
     if pad == 0:
         return batch
     out = dict(batch)
-    for key, fill in (*_PAD_VALUES.items(), ("inputs_embeds", 0)):
+    for key, fill in (*_PAD_VALUES.items(), *_WHOLE_ROW_PAD_VALUES.items(), ("inputs_embeds", 0)):
         if out.get(key) is not None:
             out[key] = pad_for_context_parallel(out[key], cp, 1, fill)
     position_ids = out.get("position_ids")
@@ -96,6 +98,16 @@ def shard_batch(batch: dict[str, Any], cp_mesh: DeviceMesh) -> dict[str, Any]:
     `position_ids` restarting per document are added when only the others were given,
     and `cu_seq_lens_*`/`seq_idx` stay whole-row (padded, not sharded), as the model
     under CP reads them. Raises ValueError for left padding and forms that disagree.
+
+    VLM batches (`Qwen3_5ForConditionalGeneration`): `pixel_values`, `image_grid_thw`,
+    `pixel_values_videos`, `video_grid_thw` pass through whole, and `mm_token_type_ids`
+    [batch, seq] whole too (right-padded with 0 like the sequence, not sharded). The model
+    under CP then expects exactly that: sharded `input_ids`/`labels`/`shift_labels`/
+    `attention_mask`, 2-D global `position_ids` (or 3-row mRoPE ids, sharded, used as
+    given), the vision inputs and `mm_token_type_ids` whole and the same on every cp rank.
+    Each cp rank encodes a share of the images and videos, the embeddings are all-gathered,
+    and the mRoPE positions are computed on the whole rows
+    (`parallel/context_parallel/vision.py`). Packed rows with images are refused.
     """
     cp = cp_mesh.size()
     rank = cp_mesh.get_local_rank()

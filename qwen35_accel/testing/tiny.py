@@ -17,6 +17,7 @@ __all__ = [
     "concat_vlm_batches",
     "mixed_vlm_batch",
     "packed_documents",
+    "placed_vlm_batch",
     "random_batch",
     "random_vlm_batch",
     "randomize_for_parity",
@@ -89,6 +90,48 @@ def mixed_vlm_batch(config: Qwen3_5Config, media: list[str | None], seq: int, se
         if pixels[kind]:
             batch[pixel_key] = torch.cat(pixels[kind])
             batch[grid_key] = torch.tensor([[1, 4, 4]] * len(pixels[kind]))
+    return batch
+
+
+def placed_vlm_batch(
+    config: Qwen3_5Config, rows: list[list[tuple[str, int, int, int]]], seq: int, seed: int, padding: list[int] | None = None
+) -> dict[str, torch.Tensor]:
+    """Rows with images/videos of any size where the caller puts them: `rows[r]` lists
+    (`"image"` or `"video"`, first token, h, w): one frame of an h x w patch grid (h, w even),
+    h*w/4 tokens from the first one on, the vision start and end tokens around them.
+    `padding[r]`: right-padded tokens of row r (attention_mask 0). Labels: the tokens, -100
+    on each row's first 4 and last 3 (so every row counts `seq - 7`, padding included).
+
+    Keys: `input_ids`, `labels`, `attention_mask`, `mm_token_type_ids` [rows, seq]; with
+    images `pixel_values` [patches, 96], `image_grid_thw` [images, 3]; videos alike
+    (`pixel_values_videos`, `video_grid_thw`). Needs `tiny_vlm_config` sizes.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    vocab = config.text_config.vocab_size - 4  # the top 4 ids are the vision specials
+    ids = torch.randint(1, vocab, (len(rows), seq), generator=gen)
+    types = torch.zeros_like(ids)
+    mask = torch.ones_like(ids)
+    v = config.vision_config
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size
+    media: dict[str, tuple[list[torch.Tensor], list[list[int]]]] = {"image": ([], []), "video": ([], [])}
+    for row, items in enumerate(rows):
+        for kind, start, h, w in items:
+            tokens = h * w // 4
+            ids[row, start - 1] = config.vision_start_token_id
+            ids[row, start : start + tokens] = config.image_token_id if kind == "image" else config.video_token_id
+            ids[row, start + tokens] = config.vision_end_token_id
+            types[row, start : start + tokens] = 1 if kind == "image" else 2
+            media[kind][0].append(torch.randn(h * w, patch_dim, generator=gen))
+            media[kind][1].append([1, h, w])
+        if padding and padding[row]:
+            mask[row, seq - padding[row] :] = 0
+    labels = ids.clone()
+    labels[:, :4] = labels[:, -3:] = -100
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask, "mm_token_type_ids": types}
+    for kind, (pixel_key, grid_key) in {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}.items():
+        if media[kind][0]:
+            batch[pixel_key] = torch.cat(media[kind][0])
+            batch[grid_key] = torch.tensor(media[kind][1])
     return batch
 
 

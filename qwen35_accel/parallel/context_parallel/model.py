@@ -27,14 +27,12 @@ from .documents import DOCUMENTS_KWARG, ShardedDocuments, shard_documents
 from .gated_delta_net import ContextParallelGatedDeltaNet
 from .layout import chunk_owner, unshard_sequence
 from .state_exchange import EXCHANGES
+from .vision import install_context_parallel_vision
 
 CP_MESH_ATTR = "_qwen35_cp_mesh"
 
 
-_UNSUPPORTED_INPUTS = {
-    "pixel_values": "images",
-    "pixel_values_videos": "videos",
-}
+_VISION_INPUTS = ("pixel_values", "pixel_values_videos")
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
@@ -93,9 +91,6 @@ def _sharded_documents(
 
 
 def _check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    for key, what in _UNSUPPORTED_INPUTS.items():
-        if kwargs.get(key) is not None:
-            raise NotImplementedError(f"{what} are not supported under context parallelism yet; got `{key}`.")
     for key in ("cache", "past_key_values"):
         if kwargs.get(key) is not None:
             raise NotImplementedError("a cache (generation) is not supported under context parallelism.")
@@ -133,6 +128,14 @@ def _check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         )
     rows = (tokens if tokens is not None else attention_mask if attention_mask is not None else position_ids).shape[0]
     documents = _sharded_documents(position_ids, kwargs, rows, group)
+    vision = [key for key in _VISION_INPUTS if kwargs.get(key) is not None]
+    if documents is not None and vision:  # the verdict of the whole rows: every rank raises
+        raise NotImplementedError(
+            f"packed rows (several documents per row) with images or videos are not supported under context "
+            f"parallelism (got {', '.join(vision)} with position_ids restarting, cu_seq_lens_* or seq_idx): the "
+            "multimodal RoPE positions Transformers computes run across a whole row, not per document. Pad the rows "
+            "instead of packing them (one sample per row), or pack text-only data."
+        )
     for key in _PACKING_KWARGS:  # whole-row forms: the layers read `documents`
         kwargs.pop(key, None)
     if documents is not None:
@@ -166,7 +169,8 @@ def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, state_exc
     chunk summaries across ranks (`state_exchange.py`; "auto" picks by cp size and backend).
     Returns the number of token-mixing layers made CP-aware. Sets `model.loss_function`
     (an instance attribute; the class is untouched) and a forward pre-hook that rejects
-    inputs CP cannot handle exactly.
+    inputs CP cannot handle exactly; a VLM's images and videos are encoded with the tower's
+    work split over the cp ranks (`install_context_parallel_vision`).
     """
     parts = qwen35_parts(model)
     check_context_parallel_supported(model)
@@ -189,6 +193,8 @@ def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, state_exc
             converted += 1
     model.loss_function = CausalLMLoss(cp_group=group, vocab_group=getattr(model, VOCAB_GROUP_ATTR, None))
     model.register_forward_pre_hook(_check_inputs, with_kwargs=True)
+    if parts.vision_model is not None:  # images and videos: the tower's work split over the cp ranks
+        install_context_parallel_vision(model, group)
     setattr(model, CP_MESH_ATTR, cp_mesh)
     # The text decoder sees this rank's chunks, not packed rows: its packing hook stands aside.
     parts.text_model.__dict__[SEQUENCE_SHARDED_ATTR] = True

@@ -40,14 +40,14 @@ def _run(command: list[str], env: dict[str, str] | None = None) -> None:
     assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
 
 
-def assert_same_log(got: Path, want: Path, rtol: float, extra_tokens: int = 0, skip: tuple[str, ...] = ()) -> None:
+def assert_same_log(got: Path, want: Path, rtol: float, skip: tuple[str, ...] = ()) -> None:
     """Every logged value equal to one process's, and every metric there: 4 training steps,
     2 evaluations."""
     logged = log_history(want)
     assert sum("mean_token_accuracy" in e for e in logged) == 4 and sum("eval_mean_token_accuracy" in e for e in logged) == 2
     losses = [e["loss"] for e in logged if "loss" in e]
     assert losses[-1] < losses[0] and any(e.get("mean_token_accuracy", 0) > 0 for e in logged)  # it trained
-    assert_same_log_history(got, want, rtol=rtol, extra_tokens=extra_tokens, skip=skip)
+    assert_same_log_history(got, want, rtol=rtol, skip=skip)
 
 
 def single(out: Path, mode: str, *flags: str) -> Path:
@@ -61,29 +61,29 @@ def padded(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize(
-    "config,mode,per_device,env,extra_tokens",
+    "config,mode,per_device,env",
     [
-        ("cpu_fsdp2.yaml", "padding_free", "2", {}, 0),
-        # TRL counts a padding-free batch's tokens as its row length, which here includes the
-        # up to 2·cp - 1 tokens the Trainer patch point pads the row with (not yet subtracted).
-        ("cpu_fsdp2_cp2.yaml", "padding_free", "4", {}, 3),
-        ("cpu_fsdp2_cp2.yaml", "padded", "4", {}, 0),
-        ("cpu_fsdp2_dp2_cp2.yaml", "padded", "2", {}, 0),
-        ("cpu_fsdp2_tp2.yaml", "padded", "2", {}, 0),
+        ("cpu_fsdp2.yaml", "padding_free", "2", {}),
+        # TRL counts a padding-free row's tokens by its length unless it has an attention mask:
+        # the row the plugin pads to a multiple of 2·cp must count only its own tokens.
+        ("cpu_fsdp2_cp2.yaml", "padding_free", "4", {}),
+        ("cpu_fsdp2_cp2.yaml", "padded", "4", {}),
+        ("cpu_fsdp2_dp2_cp2.yaml", "padded", "2", {}),
+        ("cpu_fsdp2_tp2.yaml", "padded", "2", {}),
         # The tiny model's lm_head is untied: split by vocab, TRL's fused head must combine the
         # slices' log-probs, entropy and top-1 over the tp group.
-        ("cpu_fsdp2_tp2.yaml", "padded", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}, 0),
+        ("cpu_fsdp2_tp2.yaml", "padded", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}),
     ],
     ids=["fsdp2-padding-free", "cp2-padding-free", "cp2", "dp2xcp2", "dp2xtp2", "dp2xtp2-vocab-parallel"],
 )
-def test_sft_trainer_logs_what_one_process_logs(padded, tmp_path, config, mode, per_device, env, extra_tokens):
+def test_sft_trainer_logs_what_one_process_logs(padded, tmp_path, config, mode, per_device, env):
     out = tmp_path / "run"
     _run(accelerate_launch_command(config, SCRIPT, str(out), mode, per_device), env)
     # fp32 rtol 1e-5: FSDP2's (and cp's, tp's) reduction order. Padding-free rows carry no attention
     # mask: the Trainer's non-padding count then takes their EOS tokens (the pad token) for padding,
     # the padded reference's mask does not, so that count is compared between padded runs only.
     skip = ("num_input_tokens_seen",) if mode == "padding_free" else ()
-    assert_same_log(out, padded, rtol=1e-5, extra_tokens=extra_tokens, skip=skip)
+    assert_same_log(out, padded, rtol=1e-5, skip=skip)
 
 
 def test_sft_trainer_with_lora_logs_what_one_process_logs(tmp_path):

@@ -42,11 +42,13 @@ def pad_batch_for_context_parallel(batch: dict[str, Any], cp: int) -> dict[str, 
     same one when nothing is missing).
 
     Pads `input_ids` (0), `inputs_embeds` (0), `labels`/`shift_labels` (−100),
-    `attention_mask` (0), `mm_token_type_ids` (0, text); `position_ids` ([batch, seq] or [k, batch, seq]) continue each
-    row's last position, so padded tokens extend the last document of a packed row and
-    nothing before them changes (causality). The packed-row forms follow: `cu_seq_lens_q`/
-    `cu_seq_lens_k` (offsets in the flattened batch) are rebuilt for the padded rows,
-    `max_length_q`/`max_length_k` updated, `seq_idx` continues each row's last index.
+    `attention_mask` (0; a batch without one gets one, 1 on its own tokens, so that counts
+    of real tokens stay exact: TRL counts a mask-less row's positions), `mm_token_type_ids`
+    (0, text); `position_ids` ([batch, seq] or [k, batch, seq]) continue each row's last
+    position, so padded tokens extend the last document of a packed row and nothing before
+    them changes (causality). The packed-row forms follow: `cu_seq_lens_q`/`cu_seq_lens_k`
+    (offsets in the flattened batch) are rebuilt for the padded rows, `max_length_q`/
+    `max_length_k` updated, `seq_idx` continues each row's last index.
     """
     tokens = batch["input_ids"] if batch.get("input_ids") is not None else batch["inputs_embeds"]
     rows, seq = tokens.shape[:2]
@@ -54,6 +56,8 @@ def pad_batch_for_context_parallel(batch: dict[str, Any], cp: int) -> dict[str, 
     if pad == 0:
         return batch
     out = dict(batch)
+    if out.get("attention_mask") is None:
+        out["attention_mask"] = torch.ones(rows, seq, dtype=torch.long, device=tokens.device)
     for key, fill in (*_PAD_VALUES.items(), *_WHOLE_ROW_PAD_VALUES.items(), ("inputs_embeds", 0)):
         if out.get(key) is not None:
             out[key] = pad_for_context_parallel(out[key], cp, 1, fill)

@@ -135,7 +135,8 @@ def assert_params_match_after_adam(model: nn.Module, reference: nn.Module, adam:
 
 
 # Logged values that are not results of the run: wall clock, and the Trainer's FLOP estimate
-# (tokens × parameters as each rank holds them, summed over the ranks: differs under cp and tp).
+# (6 × positions × parameters of each rank's batch, padding included, summed over the
+# ranks: compared only where asked, see `assert_same_log_history`).
 NOT_RESULTS = ("_runtime", "_per_second", "total_flos")
 # Logged counts and positions: equal, not close.
 COUNTS = ("step", "epoch", "learning_rate", "num_tokens", "eval_num_tokens", "num_input_tokens_seen")
@@ -147,13 +148,14 @@ def log_history(out: Path) -> list[dict[str, float]]:
 
 
 def assert_same_log_history(
-    got_dir: Path, want_dir: Path, rtol: float, atol: float = 0.0, extra_tokens: int = 0, skip: tuple[str, ...] = ()
+    got_dir: Path, want_dir: Path, rtol: float, atol: float = 0.0, skip: tuple[str, ...] = (), flos: bool = False
 ) -> None:
     """Every entry and value the Trainer (and TRL) logged for `got_dir`'s run equals
     `want_dir`'s (one process on the same global batch): counts exactly, means at
-    `rtol`/`atol`. `extra_tokens`: per step, how many tokens a token count may exceed the
-    reference by (a count that includes padding the reference does not have). `skip`: keys
-    the two runs count differently by construction (left out of both)."""
+    `rtol`/`atol`. `skip`: keys the two runs count differently by construction (left out
+    of both). `flos`: also the Trainer's `total_flos` (the final train metrics and
+    `trainer_state.json`), exactly; it counts padded positions, so ask only where every
+    rank's batch shape adds up to one process's (no per-rank padding under dp)."""
     got, want = (
         [{k: v for k, v in e.items() if k not in skip} for e in log_history(d)] for d in (got_dir, want_dir)
     )
@@ -161,11 +163,14 @@ def assert_same_log_history(
     for g, w in zip(got, want):
         for key, expected in w.items():
             where = f"step {w['step']} {key}: got {g[key]}, one process {expected}"
-            if any(part in key for part in NOT_RESULTS):
+            if key == "total_flos" and flos:
+                assert g[key] == expected, where
+            elif any(part in key for part in NOT_RESULTS):
                 continue
-            if key in COUNTS and extra_tokens and key.endswith("num_tokens"):
-                assert 0 <= g[key] - expected <= extra_tokens * w["step"], where
             elif key in COUNTS:
                 assert g[key] == expected, where
             else:
                 torch.testing.assert_close(g[key], expected, rtol=rtol, atol=atol, msg=where)
+    if flos:
+        got_total, want_total = (json.loads((d / "trainer_state.json").read_text())["total_flos"] for d in (got_dir, want_dir))
+        assert got_total == want_total, f"trainer_state.json total_flos: got {got_total}, one process {want_total}"

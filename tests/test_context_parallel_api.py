@@ -66,6 +66,8 @@ def test_padding_for_context_parallel_keeps_every_packed_form_in_agreement():
     padded = pad_batch_for_context_parallel(batch, 2)
     assert padded["input_ids"].shape == (2, 8) and padded["labels"][:, 7].tolist() == [-100, -100]
     assert padded["position_ids"][:, 7].tolist() == [2, 6]  # the last document goes on
+    # Mask-less rows get a mask marking the padding: counts of real tokens (TRL's) stay exact.
+    assert padded["attention_mask"].tolist() == [[1] * 7 + [0]] * 2
     assert padded["cu_seq_lens_q"].tolist() == [0, 3, 5, 8, 9, 16] and padded["max_length_q"] == 7
     layout = document_layout(2, 8, position_ids=padded["position_ids"], seq_idx=padded["seq_idx"],
                              cu_seq_lens_q=padded["cu_seq_lens_q"], cu_seq_lens_k=padded["cu_seq_lens_k"])

@@ -28,7 +28,7 @@ def mesh_for(world: int, dp: int, cp: int, tp: int):
 def _tp_worker(rank: int, world: int, dp: int, cp: int, tp: int, vocab_parallel: bool = False) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import shard_batch
-    from qwen35_accel.parallel.tensor_parallel import clip_grad_norm_, gather_tensor_parallel
+    from qwen35_accel.parallel.tensor_parallel import clip_grad_norm_, gather_tensor_parallel, tensor_parallel_numel_elsewhere
     from qwen35_accel.parallelization import mesh_dim_names
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
@@ -40,6 +40,9 @@ def _tp_worker(rank: int, world: int, dp: int, cp: int, tp: int, vocab_parallel:
     assert config.linear_num_key_heads < config.linear_num_value_heads
     mesh = mesh_for(world, dp, cp, tp)
     PARALLELIZER.apply(model, mesh, vocab_parallel_lm_head=vocab_parallel)
+    # This rank's parameter count (FSDP2's DTensors span dp) and the other tp ranks' slices
+    # of the split ones: the unsplit model's (the Trainer's total_flos counts with it).
+    assert model.num_parameters() + tensor_parallel_numel_elsewhere(model) == reference.num_parameters()
 
     # Each rank's GatedDeltaNet recurrence runs on its value heads only: the decay gate
     # (one value per value head and token) and the projections are local.

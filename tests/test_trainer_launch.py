@@ -30,6 +30,11 @@ COMMON = ["--max_steps", "4", "--logging_steps", "1", "--seed", "0"]
 # |dL/dA_log| ~ 1e-10) into a step of order lr whose sign the rounding decides; under SGD
 # a weight differs from the reference exactly as much as its summed gradients did.
 SGD = ["--optim", "sgd", "--learning_rate", "0.3"]
+# Every batch 62 positions long (the longest example has 57 tokens) on every rank: the ranks'
+# batch shapes add up to one process's, so the Trainer's total_flos (it counts positions,
+# padding included) compares exactly; 62 is not a multiple of 2·cp, so under cp the Trainer
+# patch point still pads the collator's BatchEncoding.
+FIXED_LENGTH = ["--pad_to_multiple_of", "62"]
 
 
 def _checked(result):
@@ -55,10 +60,12 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(out / "model.safetensors")
 
 
-def assert_same_training(actual: Path, expected: Path, rtol: float, weight_atol: float = 1e-6) -> None:
+def assert_same_training(actual: Path, expected: Path, rtol: float, weight_atol: float = 1e-6, flos: bool = False) -> None:
     assert len(losses(expected)) == 4 and losses(expected)[-1] < losses(expected)[0]
-    # Every value the Trainer logged (loss, grad_norm, learning_rate, epoch, train_loss) per step.
-    assert_same_log_history(actual, expected, rtol=rtol)
+    # Every value the Trainer logged (loss, grad_norm, learning_rate, epoch, train_loss) per
+    # step; with `flos`, total_flos (Transformers sums the ranks' counts in float32: exact for
+    # the tiny model's).
+    assert_same_log_history(actual, expected, rtol=rtol, flos=flos)
     a, b = weights(actual), weights(expected)
     assert set(a) == set(b)
     for key in b:
@@ -70,7 +77,7 @@ def assert_same_training(actual: Path, expected: Path, rtol: float, weight_atol:
 def reference_sgd(tmp_path_factory) -> Path:
     """One process, no launcher: per-device batch 4 = the global batch of every launch below."""
     out = tmp_path_factory.mktemp("single_sgd")
-    single(out, "--per_device_train_batch_size", "4", *SGD)
+    single(out, "--per_device_train_batch_size", "4", *FIXED_LENGTH, *SGD)
     return out
 
 
@@ -81,10 +88,10 @@ def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_loadable_che
     config = tmp_path / "config.yaml"  # the shipped config, with the state dict type under test
     config.write_text((CONFIGS / "cpu_fsdp2.yaml").read_text().replace("FULL_STATE_DICT", state_dict_type))
     out = tmp_path / "fsdp2"
-    result = launch(str(config), out, "--per_device_train_batch_size", "2", *SGD)
+    result = launch(str(config), out, "--per_device_train_batch_size", "2", *FIXED_LENGTH, *SGD)
     assert PREPARED in result.stderr and "FSDP2 runs on CPU over gloo" in result.stderr
     # fp32 rtol 1e-5: FSDP2 sums the two ranks' gradients in another order than one process.
-    assert_same_training(out, reference_sgd, rtol=1e-5)
+    assert_same_training(out, reference_sgd, rtol=1e-5, flos=True)
 
     model = AutoModelForCausalLM.from_pretrained(out)
     expected = AutoModelForCausalLM.from_pretrained(reference_sgd)
@@ -95,22 +102,21 @@ def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_loadable_che
 
 
 @pytest.mark.parametrize(
-    "config,per_device,shows,extra",
-    # cp2 without the collator's pad_to_multiple_of: the Trainer patch point pads the
-    # collator's BatchEncoding to 2*cp.
-    [("cpu_fsdp2_cp2.yaml", "4", "cp=2", ["--pad_to_multiple_of", "0"]), ("cpu_fsdp2_dp2_cp2.yaml", "2", "cp=2", []),
-     ("cpu_fsdp2_tp2.yaml", "2", "tp=2", [])],
+    "config,per_device,shows",
+    [("cpu_fsdp2_cp2.yaml", "4", "cp=2"), ("cpu_fsdp2_dp2_cp2.yaml", "2", "cp=2"), ("cpu_fsdp2_tp2.yaml", "2", "tp=2")],
     ids=["cp2", "dp2xcp2", "dp2xtp2"],
 )
-def test_context_and_tensor_parallel_launches_match_one_process(reference_sgd, tmp_path, config, per_device, shows, extra):
+def test_context_and_tensor_parallel_launches_match_one_process(reference_sgd, tmp_path, config, per_device, shows):
+    """Losses, grad norms, weights, and total_flos: the ranks of a cp or tp group hold one
+    batch, which the Trainer must count once, with the whole model's parameters."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    result = launch(config, out, "--per_device_train_batch_size", per_device, *extra, *SGD)
+    result = launch(config, out, "--per_device_train_batch_size", per_device, *FIXED_LENGTH, *SGD)
     assert PREPARED in result.stderr and shows in result.stderr
     # rtol 1e-4: under CP every gradient is a sum of per-chunk partials reduced over cp (and dp),
     # and 4 SGD steps at lr 0.3 carry those reduction-order differences into the later losses.
-    assert_same_training(out, reference_sgd, rtol=1e-4)
+    assert_same_training(out, reference_sgd, rtol=1e-4, flos=True)
     assert AutoModelForCausalLM.from_pretrained(out).model.layers[0].linear_attn.A_log.dtype == torch.float32
 
 

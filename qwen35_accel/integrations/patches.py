@@ -83,6 +83,11 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "count, and ranks differing in cp/tp hold the same batch)",
     ),
     PatchPoint(
+        "transformers.trainer", "Trainer.floating_point_ops", step_hooks.floating_point_ops, TRANSFORMERS,
+        "dense Qwen3.5 under cp or tp > 1: total_flos counts each batch once, with the unsplit model's parameters "
+        "(stock sums every rank's estimate of the same batch, each with its own tp slices' parameter count)",
+    ),
+    PatchPoint(
         "transformers.trainer", "Trainer.evaluation_loop", evaluation.evaluation_loop, TRANSFORMERS,
         "dense Qwen3.5 under cp or tp > 1: the loop's gather_function gathers over the data-parallel ranks only (ranks "
         "differing in cp/tp hold the same batch; stock returns each row cp*tp times), every other gather_for_metrics "

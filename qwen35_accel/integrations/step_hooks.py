@@ -146,6 +146,36 @@ def track_num_input_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def floating_point_ops(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`Trainer.floating_point_ops`: the Trainer sums every process's estimate for its batch
+    (6 × positions × `num_parameters(exclude_embeddings=True)`), but the ranks of a cp×tp
+    group hold the same batch, and under tp `num_parameters` counts this rank's slices of
+    the split parameters. The group's first rank (cp and tp coordinates 0) gives the stock
+    estimate with the unsplit model's parameter count, the others 0: the sum is exactly
+    what the data-parallel ranks alone would log."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, inputs: dict[str, Any]) -> int:
+        accelerator = getattr(self, "accelerator", None)
+        if _ranks_sharing_a_batch(accelerator) == 1:
+            return original(self, inputs)
+        from ..parallel.mesh import has_dim
+        from ..parallel.tensor_parallel import tensor_parallel_numel_elsewhere
+
+        mesh = accelerator.torch_device_mesh
+        if any(has_dim(mesh, name) and mesh[name].get_local_rank() != 0 for name in ("cp", "tp")):
+            return 0
+        flops = original(self, inputs)
+        elsewhere = tensor_parallel_numel_elsewhere(self.model)
+        if not flops or not elsewhere:
+            return flops
+        # The stock estimate is a multiple of this rank's count: scaled exactly.
+        local = self.model.num_parameters(exclude_embeddings=True)
+        return flops * (local + elsewhere) // local
+
+    return wrapper
+
+
 def _ranks_sharing_a_batch(accelerator: Any) -> int:
     """cp × tp of the accelerator's mesh when it prepared a dense Qwen3.5 model, else 1."""
     from ..parallel.mesh import mesh_dim_size

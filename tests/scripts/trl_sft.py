@@ -80,6 +80,10 @@ def main(out: str, mode: str, per_device: int, packing_hook: bool, lora: bool, e
         padding_free=mode == "padding_free",
         packing=mode == "packing",
         max_length=None if mode == "padding_free" else 64,  # TRL: padding-free without packing takes no max_length
+        # Every padded batch 62 positions long (the longest example has 57) on every rank, so the ranks'
+        # batch shapes add up to one process's (the Trainer's total_flos counts positions); not a
+        # multiple of 2·cp, so the plugin's CP padding still runs.
+        pad_to_multiple_of=62 if mode == "padded" else "auto",
     )
     dataset = load_dataset("json", data_files=str(RECIPES / "data" / "sft_tiny.jsonl"), split="train")
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_examples(dataset, tokenizer) if evaluate else None,

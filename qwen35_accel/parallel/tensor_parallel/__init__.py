@@ -29,7 +29,7 @@ full-state loading), `clipping` (`clip_grad_norm_`). The vocab-parallel loss liv
 
 from ..losses import IGNORE_INDEX, VOCAB_GROUP_ATTR, VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
 from .clipping import clip_grad_norm_
-from .layout import TP_GROUP_ATTR, Slicer, tensor_parallel_group, tensor_parallel_sliced
+from .layout import TP_GROUP_ATTR, Slicer, tensor_parallel_group, tensor_parallel_numel_elsewhere, tensor_parallel_sliced
 from .plan import (
     TensorParallelRMSNorm,
     TensorParallelRMSNormGated,
@@ -64,6 +64,7 @@ __all__ = [
     "load_full_state_dict",
     "register_optimizer_state_layout",
     "tensor_parallel_group",
+    "tensor_parallel_numel_elsewhere",
     "tensor_parallel_sliced",
     "vocab_parallel_cross_entropy",
 ]

@@ -8,6 +8,7 @@ Transformers names; the fp32 gate holder's path segment is dropped in state-dict
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -96,6 +97,16 @@ def _split_entries(model: nn.Module) -> list[tuple[str, nn.Parameter, _Sliced, d
 def tensor_parallel_sliced(model: nn.Module) -> set[int]:
     """ids of the parameters tensor parallelism split (as the model holds them now)."""
     return {id(param) for _, param, _, _ in _split_entries(model)}
+
+
+def tensor_parallel_numel_elsewhere(model: nn.Module) -> int:
+    """Elements of the split parameters that the other tp ranks hold: this rank's count of
+    `model`'s parameters plus this is the unsplit model's (0 when nothing is split)."""
+    elsewhere = 0
+    for _, param, sliced, group in _split_entries(model):
+        full = math.prod(sliced.full_shape(param.shape, dist.get_world_size(group)))  # a DTensor's shape spans dp
+        elsewhere += full - param.numel()
+    return elsewhere
 
 
 def tensor_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:

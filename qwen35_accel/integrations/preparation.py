@@ -3,8 +3,9 @@
 `prepare_fsdp2` installs the fp32 gate holders before Accelerate records parameter names;
 `fsdp2_prepare_model` hands the wrap to `PARALLELIZER.apply` with the FSDP plugin's
 settings and the accelerator's mesh (`prepare_qwen35_fsdp2`); `fsdp2_apply_ac` steps
-aside (the parallelizer checkpoints each decoder layer and trainable vision block); `prepare_tp` / `prepare_cp` skip
-Accelerate's own TP and CP paths, which the parallelizer replaces.
+aside (the parallelizer checkpoints each decoder layer and trainable vision block);
+`prepare_tp` / `prepare_cp` skip Accelerate's own TP and CP paths, which the parallelizer
+replaces.
 """
 
 from __future__ import annotations

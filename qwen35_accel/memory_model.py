@@ -647,8 +647,17 @@ def _shard_elements(shapes: list[tuple[int, ...]], shards: int) -> int:
     return sum(-(-s[0] // shards) * math.prod(s[1:]) for s in shapes)
 
 
+def _vision_block(shape: VisionShape, compute_bytes: int, device: Device, cast_block_inputs: bool) -> int:
+    """Bytes one vision block keeps for backward per patch, not checkpointed (`vision_activations`)."""
+    h, i, c = shape.hidden, shape.intermediate, compute_bytes
+    stats = 4 if device == "cuda" else c
+    rotary = 2 * (h // shape.heads) * 4  # cos and sin, fp32
+    return 11 * h * c + 2 * i * c + 4 * stats + 4 * shape.heads + (rotary if cast_block_inputs else 0)
+
+
 def vision_activations(
-    shape: VisionShape, patches: int, compute_bytes: int, device: Device = "cuda", *, cast_block_inputs: bool = False
+    shape: VisionShape, patches: int, compute_bytes: int, device: Device = "cuda", *, cast_block_inputs: bool = False,
+    checkpointed: bool = False,
 ) -> int:
     """Bytes a trainable tower keeps for backward for `patches` patches (sdpa attention per image).
 
@@ -659,11 +668,18 @@ def vision_activations(
     input), the position-embedding indices and fp32 weights (4 per patch), the fp32 rotary
     cos and sin, and the merger (LayerNorm input and stats, both Linears' inputs, GELU's).
     `cast_block_inputs`: the blocks are FSDP2 units under a bf16/fp16 policy, which casts
-    their inputs, cos and sin included; each block's rotary then keeps fp32 copies of its own."""
-    h, i, c = shape.hidden, shape.intermediate, compute_bytes
+    their inputs, cos and sin included; each block's rotary then keeps fp32 copies of its own.
+    `checkpointed` (activation checkpointing, a trainable tower): each block keeps only what
+    it was called with, its input and, under `cast_block_inputs`, its cast cos and sin (the
+    shared fp32 ones otherwise, counted once); one block's recomputation in backward is a
+    transient (`vision_estimate`)."""
+    h, c = shape.hidden, compute_bytes
     stats = 4 if device == "cuda" else c
     rotary = 2 * (h // shape.heads) * 4  # cos and sin, fp32
-    block = 11 * h * c + 2 * i * c + 4 * stats + 4 * shape.heads + (rotary if cast_block_inputs else 0)
+    if checkpointed:
+        block = h * c + (2 * (h // shape.heads) * c if cast_block_inputs else 0)
+    else:
+        block = _vision_block(shape, c, device, cast_block_inputs)
     outside = shape.patch_dim * c + 8 * 4 + 4 * 4 + (0 if cast_block_inputs else rotary) + 4 * h * c + 2 * stats
     return patches * (shape.depth * block + outside)
 
@@ -673,13 +689,16 @@ def vision_estimate(vision: VisionTower, parallel: Parallel, options: StepOption
 
     Parameters: FSDP2 shards over dp_shard × cp (whole under "replicate"; replicated over
     tp: the tower has no TP plan), fp32 masters when trainable under a bf16/fp16 policy, the
-    storage dtype when frozen. Gradients and optimizer state: the trainable shard's. The
-    tower is not checkpointed. Transient: the root unit's vision parameters, gathered in the
+    storage dtype when frozen. Gradients and optimizer state: the trainable shard's.
+    Activations: `vision_activations`, checkpointed per block when `options` has activation
+    checkpointing and the tower trains (`PARALLELIZER.apply` leaves a frozen tower alone:
+    it keeps nothing). Transient: the root unit's vision parameters, gathered in the
     compute dtype for the whole step ("root": the whole tower), plus, while the tower runs,
     a block unit and the next one FSDP2 prefetches (backward: with the running unit's
-    unsharded gradient, copied to fp32 for the reduce-scatter); the tower runs before the
-    decoder in forward and after it in backward, so counting it beside the decoder's peak
-    overstates the step's peak by at most that much.
+    unsharded gradient, copied to fp32 for the reduce-scatter) and, checkpointed, one
+    block's recomputed activations; the tower runs before the decoder in forward and after
+    it in backward, so counting it beside the decoder's peak overstates the step's peak by
+    at most that much.
     """
     shape, shards, c = vision.shape, parallel.fsdp_shards, options.compute_bytes
     blocks, outer = shape.block_parameters() * shape.depth, shape.outer_parameters()
@@ -694,14 +713,16 @@ def vision_estimate(vision: VisionTower, parallel: Parallel, options: StepOption
         gathered = _elements(outer) * c + 2 * block * c + (block * (c + 4) if vision.trainable else 0)
     trained = held if vision.trainable else 0
     patches = vision.patches_per_rank(parallel) if vision.trainable else 0
+    cast = vision.layout == "units" and c < options.param_bytes
+    checkpointed = options.activation_checkpointing and vision.trainable
+    recomputed = patches * _vision_block(shape, c, options.device, cast) if checkpointed else 0
     return MemoryEstimate(
         parameters=held * p,
         gradients=trained * p,
         optimizer_states=trained * p * _OPTIMIZER_STATES[options.optimizer],
-        activations=vision_activations(shape, patches, c, options.device,
-                                       cast_block_inputs=vision.layout == "units" and c < options.param_bytes),
+        activations=vision_activations(shape, patches, c, options.device, cast_block_inputs=cast, checkpointed=checkpointed),
         loss=0,
-        transient=gathered,
+        transient=gathered + recomputed,
     )
 
 

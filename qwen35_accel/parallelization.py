@@ -15,7 +15,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 
 from .model.detect import Qwen35Parts, qwen35_parts, unwrap_qwen35
 from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
-from .parallel.activation_checkpointing import apply_activation_checkpointing
+from .parallel.activation_checkpointing import (
+    apply_activation_checkpointing,
+    checkpoint_targets,
+    describe_checkpoint_targets,
+    vision_tower_trains,
+)
 from .parallel.context_parallel.state_exchange import EXCHANGES
 from .parallel.context_parallel.model import (
     check_context_parallel_supported,
@@ -87,7 +92,8 @@ class Qwen3_5ModelParallelizer:
 
         Steps: fp32 gate holders (`install_fp32_gate`), TP (tp > 1: head-parallel
         `apply_tensor_parallel` on the `tp` dim; build the optimizer afterwards), activation
-        checkpointing per decoder layer, dtype-uniform FSDP2 units (`apply_fsdp_sharding`)
+        checkpointing per decoder layer and, when the vision tower trains, per vision block
+        (`checkpoint_targets`), dtype-uniform FSDP2 units (`apply_fsdp_sharding`)
         over `dp_shard_cp`, then CP (cp > 1: `install_context_parallel` on the `cp` dim;
         the model then expects each rank's part of the batch, see
         `qwen35_accel.context_parallel.shard_batch`).
@@ -138,7 +144,7 @@ class Qwen3_5ModelParallelizer:
         if tiled_loss:  # before FSDP2, whose class swap then subclasses this one
             install_tiled_loss(base)
         if activation_checkpointing:
-            apply_activation_checkpointing(parts.decoder_layers)
+            apply_activation_checkpointing(checkpoint_targets(parts))
         self.apply_fsdp_sharding(
             model,
             fsdp_mesh,
@@ -163,7 +169,7 @@ class Qwen3_5ModelParallelizer:
             type(model).__name__,
             fsdp_mesh,
             converted,
-            activation_checkpointing,
+            describe_checkpoint_targets(parts) if activation_checkpointing else "off",
             cp_size,
             tp_size,
             uses_tiled_loss(base),
@@ -236,8 +242,7 @@ class Qwen3_5ModelParallelizer:
         ]
 
         if parts.vision_model is not None:
-            frozen = not any(p.requires_grad for p in parts.vision_model.parameters())
-            if not frozen or frozen_multimodal_sharding == "shard":
+            if vision_tower_trains(parts) or frozen_multimodal_sharding == "shard":
                 for block in parts.vision_blocks:
                     fully_shard_by_dtype(block, reshard_after_forward=reshard_after_forward, **common)
             elif frozen_multimodal_sharding == "replicate":

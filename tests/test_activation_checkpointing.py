@@ -39,3 +39,114 @@ def _ac_worker(rank: int, world: int) -> None:
 
 def test_activation_checkpointing_on_and_off_give_same_loss_and_grads():
     run_world(_ac_worker, 2)
+
+
+def _tower_saved(model, pixels: torch.Tensor, grid: torch.Tensor) -> tuple[int, int, dict[str, torch.Tensor]]:
+    """A forward and backward of `model`'s vision tower: (bytes of the distinct storages its
+    forward keeps for backward, parameters excluded, with what each checkpointed block was
+    called with; of those, the bytes saved inside the blocks beyond their inputs), and the
+    tower's gradients."""
+    from torch.distributed._composable import checkpoint
+
+    visual = model.model.visual
+    held = {p.untyped_storage().data_ptr() for p in visual.parameters()}
+    kept: dict[int, int] = {}
+    inputs: set[int] = set()  # storages the blocks were called with
+    in_blocks: set[int] = set()  # storages saved while a block runs
+    running = [False]
+
+    def keep(t: torch.Tensor, into: set[int] | None = None) -> None:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in held:
+            kept.setdefault(storage.data_ptr(), storage.nbytes())
+            if into is not None:
+                into.add(storage.data_ptr())
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        keep(t, in_blocks if running[0] else None)
+        return t
+
+    def enter(module, args, kwargs) -> None:
+        running[0] = True
+        if checkpoint.state(module) is not None:  # what the checkpoint holds: the block's arguments
+            for value in [*args, *kwargs.values()]:
+                for t in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(t, torch.Tensor):
+                        keep(t, inputs)
+
+    hooks = [h for block in visual.blocks for h in (block.register_forward_pre_hook(enter, with_kwargs=True),
+                                                    block.register_forward_hook(lambda *_: running.__setitem__(0, False)))]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = visual(pixels, grid_thw=grid).pooler_output
+    for hook in hooks:
+        hook.remove()
+    output.float().square().sum().backward()
+    beyond = sum(kept[ptr] for ptr in in_blocks - inputs)
+    return sum(kept.values()), beyond, {name: p.grad for name, p in visual.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checkpointed_vision_blocks_keep_only_their_inputs(dtype):
+    """One process, Transformers' tower wider than the tiny VLM's, two images of different sizes:
+    checkpointed, nothing is saved inside a vision block beyond what it was called with, the
+    tower's bytes for backward are the memory model's checkpointed count (±10 %) and a
+    fraction of the unchecked ones, the gradients unchanged. A frozen tower is not checkpointed."""
+    from qwen35_accel.memory_model import VisionShape, vision_activations
+    from qwen35_accel.model.detect import qwen35_parts
+    from qwen35_accel.parallel.activation_checkpointing import apply_activation_checkpointing, checkpoint_targets
+    from qwen35_accel.testing.tiny import build_tiny_vlm
+
+    vision = dict(hidden_size=128, intermediate_size=256, num_heads=2, depth=3)
+    grid = torch.tensor([[1, 8, 8], [1, 16, 8]])
+    results = {}
+    for ac in (False, True):
+        model = build_tiny_vlm(seed=0)
+        for key, value in vision.items():
+            setattr(model.config.vision_config, key, value)
+        model.model.visual = type(model.model.visual)._from_config(model.config.vision_config)
+        model = model.to(dtype)
+        parts = qwen35_parts(model)
+        targets = checkpoint_targets(parts)
+        assert all(any(block is t for t in targets) for block in parts.vision_blocks)
+        if ac:
+            assert apply_activation_checkpointing(targets) == len(parts.decoder_layers) + vision["depth"]
+        shape = VisionShape.from_config(model.config)
+        torch.manual_seed(1)
+        pixels = torch.randn(int(grid.prod(-1).sum()), shape.patch_dim, dtype=dtype)
+        results[ac] = _tower_saved(model, pixels, grid)
+        want = vision_activations(shape, len(pixels), dtype.itemsize, device="cpu", checkpointed=ac)
+        # The memory model's bound (tests/test_memory_model.py).
+        assert abs(want / results[ac][0] - 1) <= 0.10, (dtype, ac, want, results[ac][0])
+    (off, off_blocks, grads_off), (on, on_blocks, grads_on) = results[False], results[True]
+    assert off_blocks > 0 and on_blocks == 0, (off_blocks, on_blocks)
+    assert on < off / 3, (on, off)
+    for name, grad in grads_off.items():
+        # Recomputation runs the same kernels in the same order: the same bits.
+        assert torch.equal(grads_on[name], grad), name
+    model.model.visual.requires_grad_(False)
+    assert checkpoint_targets(qwen35_parts(model)) == qwen35_parts(model).decoder_layers
+
+
+def test_prepared_line_names_the_vision_blocks_and_no_block_is_checkpointed_twice():
+    """The plugin's choice between ours and Transformers' gradient checkpointing on a VLM: ours
+    covers a trainable tower's blocks, so their Transformers flags go off with the decoder
+    layers'; a frozen tower's blocks are not ours and keep theirs."""
+    from qwen35_accel.integrations.preparation import _one_activation_checkpointing
+    from qwen35_accel.testing.tiny import build_tiny_vlm
+
+    model = build_tiny_vlm(seed=0)
+    model.activation_checkpointing_enable()
+    line = _one_activation_checkpointing(model, True)
+    assert line.startswith("qwen35_accel's (each decoder layer and vision block; Transformers' gradient checkpointing was on "
+                           "too and is turned off on them, so nothing is checkpointed twice)"), line
+    assert not any(m.gradient_checkpointing for m in (*model.model.language_model.layers, *model.model.visual.blocks))
+
+    frozen = build_tiny_vlm(seed=0)
+    frozen.model.visual.requires_grad_(False)
+    frozen.activation_checkpointing_enable()
+    line = _one_activation_checkpointing(frozen, True)
+    assert line == ("qwen35_accel's (each decoder layer, not the frozen vision tower, which keeps no activations; Transformers' "
+                    "gradient checkpointing was on too and is turned off on them, so nothing is checkpointed twice; "
+                    "Transformers' gradient checkpointing on 2 vision blocks)"), line
+    assert all(block.gradient_checkpointing for block in frozen.model.visual.blocks)
+    assert _one_activation_checkpointing(build_tiny_vlm(seed=0), True) == "qwen35_accel's (each decoder layer and vision block)"

@@ -88,10 +88,11 @@ def _mesh(world: int, dp_replicate: int = 1, tp: int = 1):
     return mesh
 
 
-def _check_mixed_steps(mesh, media: list[list[list[str | None]]], towers=TOWERS) -> None:
+def _check_mixed_steps(mesh, media: list[list[list[str | None]]], towers=TOWERS, ac: bool = False) -> None:
     """`media[step][dp_rank]`: each micro-step's rows per data-parallel rank. Every tower
     setting: the mean of the micro-steps' losses and every gradient (vision tower included)
-    equal one process computing each micro-step's global batch."""
+    equal one process computing each micro-step's global batch. `ac`: with activation
+    checkpointing (a trainable tower's blocks run twice per micro-step: forward, recompute)."""
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
     from qwen35_accel.parallel.vision import PLACEHOLDER_HOOK_ATTR
@@ -106,18 +107,23 @@ def _check_mixed_steps(mesh, media: list[list[list[str | None]]], towers=TOWERS)
         ref_loss = sum(reference(**concat_vlm_batches(batches)).loss for batches in steps) / len(steps)
         ref_loss.backward()
 
-        model = PARALLELIZER.apply(_vlm(tower), mesh, frozen_multimodal_sharding=policy)
+        model = PARALLELIZER.apply(_vlm(tower), mesh, frozen_multimodal_sharding=policy, activation_checkpointing=ac)
         has_units = tower == "trainable" or policy == "shard"
         assert (getattr(model.model, PLACEHOLDER_HOOK_ATTR, None) is not None) == has_units, (tower, policy)
+        # A pre-hook: a non-reentrant recomputation stops once the last saved tensor is back, before forward hooks.
+        runs: list[int] = []
+        model.model.visual.blocks[-1].mlp.register_forward_pre_hook(lambda *_: runs.append(1))
         losses = []
         for batches in steps:
             loss = model(**batches[dp_rank]).loss / len(steps)
             loss.backward()
             losses.append(loss.detach())
+        if has_units:  # a tower with units runs on every micro-step (images, or the placeholder)
+            assert len(runs) == len(steps) * (2 if ac and tower == "trainable" else 1), (tower, policy, ac, runs)
         # Equal label counts on every rank: the global loss is the mean of the dp ranks' means.
         global_loss = torch.stack(losses).sum()
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
-        what = f"{tower} tower, {policy}, media {media}"
+        what = f"{tower} tower, {policy}, media {media}, activation checkpointing {ac}"
         assert_close(global_loss, ref_loss.detach(), f"loss ({what})")
         ref_params = dict(reference.named_parameters())
         trained = []
@@ -135,8 +141,11 @@ def _check_mixed_steps(mesh, media: list[list[list[str | None]]], towers=TOWERS)
         assert len(trained) > len(vision), what
 
 
-def _mixed_worker(rank: int, world: int, media: list[list[list[str | None]]], dp_replicate: int = 1, tp: int = 1) -> None:
-    _check_mixed_steps(_mesh(world, dp_replicate, tp), media)
+def _mixed_worker(
+    rank: int, world: int, media: list[list[list[str | None]]], dp_replicate: int = 1, tp: int = 1, ac: bool = False
+) -> None:
+    # Checkpointed: the trainable tower (its blocks checkpointed) and a frozen one with units (only the decoder's).
+    _check_mixed_steps(_mesh(world, dp_replicate, tp), media, TOWERS[::3] if ac else TOWERS, ac)
 
 
 IMAGES, TEXT, VIDEOS, BOTH = ["image", "image"], [None, None], ["video", None], ["image", "video"]
@@ -149,9 +158,11 @@ def test_mixed_image_text_ranks_equal_one_process_on_every_tower_sharding(media)
     run_world(_mixed_worker, 2, [media])
 
 
-def test_mixed_micro_steps_accumulate_to_one_process_gradients():
+@pytest.mark.parametrize("ac", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no_ac", "ac"])
+def test_mixed_micro_steps_accumulate_to_one_process_gradients(ac):
     # Micro-steps: images on rank 0 only, an image and a video on rank 1 only, text everywhere.
-    run_world(_mixed_worker, 2, [[IMAGES, TEXT], [TEXT, BOTH], [TEXT, TEXT]])
+    # Checkpointed: each vision block and decoder layer recomputed in backward, the placeholder's too.
+    run_world(_mixed_worker, 2, [[IMAGES, TEXT], [TEXT, BOTH], [TEXT, TEXT]], 1, 1, ac)
 
 
 def test_mixed_ranks_under_hsdp_equal_one_process():

@@ -37,10 +37,11 @@ def _vlm(tower: str):
     return model
 
 
-def _check_images_under_cp(mesh, steps: list[list[tuple]], towers=TOWERS) -> None:
+def _check_images_under_cp(mesh, steps: list[list[tuple]], towers=TOWERS, ac: bool = False) -> None:
     """`steps[s][dp_rank]`: a micro-step's (rows, padding) per data-parallel rank. For every tower
     setting: the mean of the micro-steps' losses, every gradient (gathered over dp and tp) and
-    the first micro-step's evaluation logits equal one process on each micro-step's global batch."""
+    the first micro-step's evaluation logits equal one process on each micro-step's global batch.
+    `ac`: with activation checkpointing (a trainable tower's blocks run twice per micro-step)."""
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import gather_sequence, shard_batch
     from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
@@ -51,19 +52,23 @@ def _check_images_under_cp(mesh, steps: list[list[tuple]], towers=TOWERS) -> Non
     batches = [[placed_vlm_batch(config, rows, SEQ, seed=200 + 10 * s + r, padding=padding)
                 for r, (rows, padding) in enumerate(step)] for s, step in enumerate(steps)]
     for tower, policy in towers:
-        what = f"{tower} tower, {policy}"
+        what = f"{tower} tower, {policy}, activation checkpointing {ac}"
         reference = _vlm(tower)
         ref_loss = sum(reference(**concat_vlm_batches(step)).loss for step in batches) / len(batches)
         ref_loss.backward()
-        model = PARALLELIZER.apply(_vlm(tower), mesh, frozen_multimodal_sharding=policy)
+        model = PARALLELIZER.apply(_vlm(tower), mesh, frozen_multimodal_sharding=policy, activation_checkpointing=ac)
         encoded: list[int] = []  # patches per tower call on this rank
         model.model.visual.register_forward_hook(lambda module, args, out: encoded.append(args[0].shape[0]))
+        runs: list[int] = []  # a pre-hook: a non-reentrant recomputation stops before forward hooks
+        model.model.visual.blocks[-1].mlp.register_forward_pre_hook(lambda *_: runs.append(1))
         losses = []
         for step in batches:
             loss = model(**shard_batch(step[dp_rank], mesh["cp"])).loss / len(batches)
             loss.backward()
             losses.append(loss.detach())
             _check_split(encoded, step[dp_rank], mesh["cp"])
+        if tower == "trainable":  # one tower call per micro-step (a share, or the placeholder), recomputed if checkpointed
+            assert len(runs) == len(batches) * (2 if ac else 1), (ac, runs)
         # Every cp rank holds the dp rank's loss; equal label counts per dp rank: the mean is the global loss.
         global_loss = torch.stack(losses).sum()
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
@@ -108,13 +113,15 @@ def _mesh(world: int, dp: int = 1, tp: int = 1):
     return mesh
 
 
-def _worker(rank: int, world: int, steps: list[list[tuple]], dp: int, tp: int, towers=TOWERS) -> None:
-    _check_images_under_cp(_mesh(world, dp, tp), steps, towers)
+def _worker(rank: int, world: int, steps: list[list[tuple]], dp: int, tp: int, towers=TOWERS, ac: bool = False) -> None:
+    _check_images_under_cp(_mesh(world, dp, tp), steps, towers, ac)
 
 
-def test_images_under_cp2_equal_one_process():
+@pytest.mark.parametrize("ac", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no_ac", "ac"])
+def test_images_under_cp2_equal_one_process(ac):
     # Two micro-steps: images of several sizes, a video, padding, boundaries straddled; then one image (one rank has no share).
-    run_world(_worker, 2, [[FULL], [ONE]], 1, 1)
+    # Checkpointed (trainable tower): each rank's share, and the placeholder of the rank without one, recomputed in backward.
+    run_world(_worker, 2, [[FULL], [ONE]], 1, 1, TOWERS[:1] if ac else TOWERS, ac)
 
 
 @pytest.mark.slow

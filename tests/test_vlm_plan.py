@@ -1,7 +1,8 @@
 """`qwen35-accel plan` on a VLM: the vision tower's FSDP2 units and bytes per rank against the
 tiny VLM sharded by `PARALLELIZER.apply` in a gloo world of 2, per trainable/frozen tower and
 `frozen_multimodal_sharding`, under a bf16 policy (trainable parameters fp32 masters, a frozen
-tower left in its bf16 storage, as Accelerate does)."""
+tower left in its bf16 storage, as Accelerate does), the trainable tower also with activation
+checkpointing (its blocks checkpointed: what each block was called with stays)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from qwen35_accel.memory_model import ModelShape, Parallel, StepOptions, VisionS
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS, SEQ = 2, 16  # per rank: random_vlm_batch gives each row one 16-patch image (4 image tokens)
-CASES = [("trainable", "root"), ("frozen", "root"), ("frozen", "replicate"), ("frozen", "shard")]
+# (tower, frozen_multimodal_sharding, activation checkpointing)
+CASES = [("trainable", "root", False), ("trainable", "root", True), ("frozen", "root", False), ("frozen", "replicate", False),
+         ("frozen", "shard", False)]
 TOLERANCE = 0.10  # activations only: the memory model's bound (tests/test_memory_model.py); bytes held are exact
 
 
@@ -43,10 +46,11 @@ def _local_bytes(tensors) -> int:
     return sum((t._local_tensor if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
 
 
-def _measure(rank: int, tower: str, sharding: str) -> dict:
+def _measure(rank: int, tower: str, sharding: str, ac: bool) -> dict:
     """This rank's vision tower after `PARALLELIZER.apply`: its own units' local bytes, the
     local bytes of its parameters, of their gradients after a backward, of their AdamW state
-    after a step, and what its forward keeps for backward (saved-tensor hooks)."""
+    after a step, and what its forward keeps for backward (saved-tensor hooks; `ac`: and what
+    each checkpointed block was called with, which the checkpoint holds)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -66,7 +70,7 @@ def _measure(rank: int, tower: str, sharding: str) -> dict:
             p.data = p.data.float()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard_cp",))
     PARALLELIZER.apply(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                       frozen_multimodal_sharding=sharding)
+                       frozen_multimodal_sharding=sharding, activation_checkpointing=ac)
     units = {"+".join(names): _local_bytes(record.parameters()) for names, record in fsdp_units(model)
              if all("visual" in name.split(".") for name in names)}
     params = list(visual.parameters())
@@ -81,8 +85,16 @@ def _measure(rank: int, tower: str, sharding: str) -> dict:
             storages.setdefault(storage.data_ptr(), storage.nbytes())
         return t
 
+    def held_by_checkpoint(module, args, kwargs) -> None:  # after FSDP2's pre-hook: the cast arguments, as the checkpoint keeps them
+        for value in [*args, *kwargs.values()]:
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    pack(t)
+
     hooks = [visual.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
              visual.register_forward_hook(lambda *_: inside.__setitem__(0, False))]
+    if ac:
+        hooks += [block.register_forward_pre_hook(held_by_checkpoint, with_kwargs=True) for block in visual.blocks]
     batch = random_vlm_batch(model.config, ROWS, SEQ, seed=rank)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(**batch).loss
@@ -103,7 +115,7 @@ def _measure(rank: int, tower: str, sharding: str) -> dict:
 
 
 def _world(rank: int, world: int, out: str) -> None:
-    results = {f"{tower} {sharding}": _measure(rank, tower, sharding) for tower, sharding in CASES}
+    results = {f"{tower} {sharding} ac={ac}": _measure(rank, tower, sharding, ac) for tower, sharding, ac in CASES}
     Path(out).with_suffix(f".{rank}.json").write_text(json.dumps(results))
 
 
@@ -114,17 +126,22 @@ def test_plan_lists_the_vision_towers_units_and_bytes_as_the_sharded_model_holds
     config = _config()
     config.dtype = "bfloat16"
     config.save_pretrained(tmp_path / "model")
-    yaml = tmp_path / "bf16.yaml"  # world 2 (dp_shard 2), as the gloo run above
-    yaml.write_text((ROOT / "accelerate_configs" / "cpu_fsdp2.yaml").read_text().replace("mixed_precision: 'no'", "mixed_precision: bf16"))
-    image_tokens = ranks[0]["trainable root"]["image_tokens"]
-    for tower, sharding in CASES:
+    yamls = {}
+    for ac in (False, True):  # world 2 (dp_shard 2), as the gloo run above
+        yamls[ac] = tmp_path / f"bf16_ac{int(ac)}.yaml"
+        text = (ROOT / "accelerate_configs" / "cpu_fsdp2.yaml").read_text().replace("mixed_precision: 'no'", "mixed_precision: bf16")
+        yamls[ac].write_text(text.replace("fsdp_activation_checkpointing: false", f"fsdp_activation_checkpointing: {str(ac).lower()}"))
+    image_tokens = ranks[0]["trainable root ac=False"]["image_tokens"]
+    for tower, sharding, ac in CASES:
+        yaml = yamls[ac]
         run = _plan("--model", str(tmp_path / "model"), "--config", str(yaml), "--seq-len", str(SEQ), "--batch-size", str(ROWS),
                     "--backend", "gloo", "--vision-tower", tower, "--image-tokens", str(image_tokens), "--json",
                     env={"QWEN35_ACCEL_FROZEN_MULTIMODAL_SHARDING": sharding})
         assert run.returncode == 0, run.stderr[-3000:]
         p = json.loads(run.stdout)
-        v, measured = p["vision_tower"], [r[f"{tower} {sharding}"] for r in ranks]
-        case = f"{tower} {sharding}"
+        case = f"{tower} {sharding} ac={ac}"
+        v, measured = p["vision_tower"], [r[case] for r in ranks]
+        assert p["memory_assumptions"]["activation_checkpointing"] is ac, case
         # The units: the same modules, each at the bytes its most loaded rank holds.
         assert {"+".join(u["modules"]): u["bytes_per_rank_max"] for u in v["units"]} == {
             name: max(m["units"][name] for m in measured) for name in measured[0]["units"]}, case

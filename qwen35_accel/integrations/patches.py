@@ -46,7 +46,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     ),
     PatchPoint(
         "accelerate.accelerator", "fsdp2_apply_ac", preparation.fsdp2_apply_ac, ACCELERATE,
-        "dense Qwen3.5: skipped; the parallelizer checkpoints each decoder layer",
+        "dense Qwen3.5: skipped; the parallelizer checkpoints each decoder layer and trainable vision block",
     ),
     PatchPoint(
         "accelerate.accelerator", "fsdp2_prepare_model", preparation.fsdp2_prepare_model, ACCELERATE,

@@ -3,8 +3,9 @@
 `prepare_fsdp2` installs the fp32 gate holders before Accelerate records parameter names;
 `fsdp2_prepare_model` hands the wrap to `PARALLELIZER.apply` with the FSDP plugin's
 settings and the accelerator's mesh (`prepare_qwen35_fsdp2`); `fsdp2_apply_ac` steps
-aside (the parallelizer checkpoints each decoder layer); `prepare_tp` / `prepare_cp` skip
-Accelerate's own TP and CP paths, which the parallelizer replaces.
+aside (the parallelizer checkpoints each decoder layer and trainable vision block);
+`prepare_tp` / `prepare_cp` skip Accelerate's own TP and CP paths, which the parallelizer
+replaces.
 """
 
 from __future__ import annotations
@@ -226,38 +227,46 @@ def _loss_in_effect(model: nn.Module) -> str:
 
 
 def _one_activation_checkpointing(model: nn.Module, ours: bool) -> str:
-    """Which checkpointing the decoder layers get, for the prepared line; never two at once.
+    """Which checkpointing the decoder layers and vision blocks get, for the prepared line;
+    never two at once on one module.
 
     Transformers' gradient checkpointing (`gradient_checkpointing_enable()`, the Trainer's
     `gradient_checkpointing` / `activation_checkpointing`, TRL's default) sets a
-    `gradient_checkpointing` flag on each `GradientCheckpointingLayer`, which then
-    checkpoints its own call while training. With the FSDP plugin's
-    `activation_checkpointing` the parallelizer checkpoints each decoder layer as well; both
-    at once (a custom loop; the Trainer refuses both itself) would checkpoint a layer twice,
-    which a reentrant inner checkpoint pays with a third forward. Ours wins, as the
-    Trainer's own rule has it ("use FSDP's activation checkpointing when using FSDP"): it is
-    the one the Accelerate config asked for, so the decoder layers' flags are turned off
-    (other flagged modules, e.g. vision blocks, keep Transformers' checkpointing).
+    `gradient_checkpointing` flag on each `GradientCheckpointingLayer` (decoder layers and
+    vision blocks), which then checkpoints its own call while training. With the FSDP
+    plugin's `activation_checkpointing` the parallelizer checkpoints each decoder layer and,
+    when the tower trains, each vision block as well (`checkpoint_targets`); both at once (a
+    custom loop; the Trainer refuses both itself) would checkpoint a module twice, which a
+    reentrant inner checkpoint pays with a third forward. Ours wins, as the Trainer's own
+    rule has it ("use FSDP's activation checkpointing when using FSDP"): it is the one the
+    Accelerate config asked for, so the flags of the modules it checkpoints are turned off
+    (a frozen tower's flagged blocks, which ours leaves alone, keep Transformers').
     """
     from ..model.detect import qwen35_parts
+    from ..parallel.activation_checkpointing import checkpoint_targets, describe_checkpoint_targets
 
     parts = qwen35_parts(model)
     layers = parts.decoder_layers
     flagged = [layer for layer in layers if getattr(layer, "gradient_checkpointing", False) is True]
-    others = [block for block in parts.vision_blocks if getattr(block, "gradient_checkpointing", False) is True]
-    also = f"; Transformers' gradient checkpointing on {len(others)} vision blocks" if others else ""
+    blocks = [block for block in parts.vision_blocks if getattr(block, "gradient_checkpointing", False) is True]
     if ours:
-        for layer in flagged:
-            layer.gradient_checkpointing = False
-        if flagged:
+        targets = checkpoint_targets(parts)
+        turned_off = [m for m in (*flagged, *blocks) if any(m is t for t in targets)]
+        others = [block for block in blocks if not any(block is t for t in targets)]
+        for module in turned_off:
+            module.gradient_checkpointing = False
+        also = f"; Transformers' gradient checkpointing on {len(others)} vision blocks" if others else ""
+        what = describe_checkpoint_targets(parts)
+        if turned_off:
             return (
-                "qwen35_accel's (each decoder layer; Transformers' gradient checkpointing was on too and is turned off "
-                f"on them, so no layer is checkpointed twice{also})"
+                f"qwen35_accel's ({what}; Transformers' gradient checkpointing was on too and is turned off "
+                f"on them, so nothing is checkpointed twice{also})"
             )
-        return f"qwen35_accel's (each decoder layer{also})"
+        return f"qwen35_accel's ({what}{also})"
+    also = f"; Transformers' gradient checkpointing on {len(blocks)} vision blocks" if blocks else ""
     if flagged:
-        blocks = f", {len(others)} vision blocks" if others else ""
-        return f"Transformers' gradient checkpointing ({len(flagged)} of {len(layers)} decoder layers{blocks})"
+        named = f", {len(blocks)} vision blocks" if blocks else ""
+        return f"Transformers' gradient checkpointing ({len(flagged)} of {len(layers)} decoder layers{named})"
     return f"none{also}"
 
 

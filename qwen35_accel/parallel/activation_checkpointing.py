@@ -1,4 +1,4 @@
-"""Activation checkpointing per decoder layer (non-reentrant), composable with FSDP2."""
+"""Activation checkpointing per decoder layer and vision block (non-reentrant), composable with FSDP2."""
 
 from __future__ import annotations
 
@@ -9,9 +9,37 @@ import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
 
+from ..model.detect import Qwen35Parts
+
+
+def vision_tower_trains(parts: Qwen35Parts) -> bool:
+    """Whether a VLM's vision tower has a parameter that requires grad (False for a text model)."""
+    return parts.vision_model is not None and any(p.requires_grad for p in parts.vision_model.parameters())
+
+
+def checkpoint_targets(parts: Qwen35Parts) -> tuple[nn.Module, ...]:
+    """The modules `activation_checkpointing=True` checkpoints: every decoder layer and, when
+    the vision tower trains (`vision_tower_trains`), every vision block.
+
+    A frozen tower is left alone: its forward records no autograd graph (frozen parameters,
+    pixel values without grad), so its blocks keep nothing for backward and there is
+    nothing to recompute; checkpointing them would only add hooks to every call.
+    """
+    return parts.decoder_layers + (parts.vision_blocks if vision_tower_trains(parts) else ())
+
+
+def describe_checkpoint_targets(parts: Qwen35Parts) -> str:
+    """What `checkpoint_targets(parts)` covers, for log lines: "each decoder layer", "… and
+    vision block", or a note that a frozen tower is not checkpointed."""
+    if parts.vision_model is None:
+        return "each decoder layer"
+    if vision_tower_trains(parts):
+        return "each decoder layer and vision block"
+    return "each decoder layer, not the frozen vision tower, which keeps no activations"
+
 
 def apply_activation_checkpointing(layers: Iterable[nn.Module]) -> int:
-    """Recompute each layer's activations in backward instead of storing them.
+    """Recompute each layer's (or vision block's) activations in backward instead of storing them.
 
     Uses torch's composable `checkpoint` (non-reentrant, hooks on the module itself):
     parameter names and state-dict keys stay exactly the Transformers ones, unlike

@@ -133,27 +133,27 @@ def main() -> None:
                     cells = [f"{r['saved'] / 2**20:.1f}"]
                     cells += [f"{found[v]['saved'] / 2**20:.1f} ({r['saved'] / found[v]['saved']:.0f}×)" for v in TILED]
                     cells += [f"{r['peak'] / 2**20:.0f}", *(f"{found[v]['peak'] / 2**20:.0f}" for v in TILED)]
-                    cells += [f"{statistics.median(times[v]) * 1e3:.0f}" for v in VARIANTS]
+                    cells += [f"{statistics.median(times[v]) * 1e3:.0f}" for v in ("transformers", *TILED)]
                     cells += [f"{statistics.median(a / b for a, b in zip(times[v], times['transformers'])):.2f}" for v in TILED]
                     cells.append(f"{max(abs(found[v]['loss'] - r['loss']) for v in TILED) / abs(r['loss']):.1e}")
                     rows.append(f"| {hidden} | {tokens} | {cp} | " + " | ".join(cells) + " |")
                     print(rows[-1], flush=True)
                     steps_rows.append(f"| {hidden}, {tokens}, cp {cp} | " + " | ".join(
-                        ", ".join(f"{t * 1e3:.0f}" for t in times[v]) for v in VARIANTS) + " |")
+                        ", ".join(f"{t * 1e3:.0f}" for t in times[v]) for v in ("transformers", *TILED)) + " |")
     table = "\n".join([
         f"Loss path (lm_head + cross entropy, forward + backward, fp32) at vocab {args.vocab}; tiles of "
         f"{token_tile_size(args.vocab)} tokens; per rank (rank 0); {args.steps} timed steps per variant, alternating; "
         f"{threads} threads per rank. In brackets: how many times less than Transformers' loss saves.\n",
         "| hidden | tokens | cp | saved for backward, Transformers (MiB) | saved, recompute (MiB) | saved, hold (MiB) | "
         "peak RSS above set-up, Transformers (MiB) | peak, recompute (MiB) | peak, hold (MiB) | "
-        "step, Transformers (ms, median) | step, recompute (ms) | step, hold (ms) | "
+        "step, Transformers (ms, median) | step, recompute (ms, median) | step, hold (ms, median) | "
         "time ratio recompute / Transformers (median of pairs) | time ratio hold / Transformers | "
         "loss relative difference (largest) |",
         "|" + "---|" * 15,
         *rows,
         "\nEvery timed step (ms), in order; in step s the variants ran in the order recompute, hold, "
         "Transformers rotated by s (each first in turn):\n",
-        "| hidden, tokens, cp | recompute | hold | Transformers |",
+        "| hidden, tokens, cp | Transformers | recompute | hold |",
         "|---|---|---|---|",
         *steps_rows,
     ])

@@ -1,18 +1,20 @@
-"""The loss path at Qwen3.5's vocabulary: memory and time, tiled loss vs Transformers' loss.
+"""The loss path at Qwen3.5's vocabulary: memory and time, the tiled loss's two modes vs Transformers' loss.
 
     python benchmarks/loss_memory.py [--vocab 248320] [--hidden 512 1024] [--tokens 2048] [--cp 1 2] [--steps 3] [--smoke]
 
 The loss path is the lm_head and the cross entropy on given hidden states `[tokens, hidden]`
 (what the decoder hands over): forward + backward, fp32, every token labelled.
-- tiled: `parallel.tiled_head.linear_cross_entropy_sum` (tiles of `token_tile_size(vocab)`
-  tokens, gradients computed in forward) and the loss reduction `PARALLELIZER.apply` installs;
+- recompute, hold: `parallel.tiled_head.linear_cross_entropy_sum` in that mode (tiles of
+  `token_tile_size(vocab)` tokens; recompute: one log-sum-exp per token kept, each tile
+  recomputed in backward; hold: gradients computed in forward and held) and the loss
+  reduction `PARALLELIZER.apply` installs;
 - Transformers: `lm_head(hidden)` then Transformers' `ForCausalLMLoss` (our `CausalLMLoss`
   over the cp group under cp 2, as the parallelizer installs it).
 Under cp 2 each of 2 gloo ranks holds half the tokens (figures per rank, rank 0).
 Per configuration: bytes saved for backward (saved-tensor hooks, distinct storages, the
 weight excluded) and the peak of resident memory during one step above the set-up (each
 variant in fresh processes: ru_maxrss, so it includes allocator slack), then the step time,
-both variants alternating in one world (median of paired ratios). Writes
+the three variants alternating in one world (median of paired ratios). Writes
 `benchmarks/results/loss_memory.md`.
 """
 
@@ -29,6 +31,9 @@ import time
 import torch
 
 import _report
+
+TILED = ("recompute", "hold")  # the tiled loss's modes (`tiled_head.LOSS_MODES`)
+VARIANTS = (*TILED, "transformers")
 
 
 def _setup(rank: int, world: int, tokens: int, hidden: int, vocab: int):
@@ -48,8 +53,8 @@ def _loss(variant: str, x: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     from qwen35_accel.parallel.tiled_head import linear_cross_entropy_sum
 
     group = dist.group.WORLD if world > 1 else None
-    if variant == "tiled":
-        local_sum = linear_cross_entropy_sum(x, weight, None, labels)
+    if variant in TILED:
+        local_sum = linear_cross_entropy_sum(x, weight, None, labels, mode=variant)
         return reduce_token_loss(local_sum, torch.tensor(labels.numel()), None, group)
     logits = F.linear(x, weight)[None]
     if group is not None:
@@ -77,9 +82,9 @@ def _time_worker(rank: int, world: int, tokens: int, hidden: int, vocab: int, st
     import torch.distributed as dist
 
     x, weight, labels = _setup(rank, world, tokens, hidden, vocab)
-    times: dict[str, list[float]] = {"tiled": [], "transformers": []}
+    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     for step in range(steps + 1):
-        for variant in times:
+        for variant in VARIANTS[step % 3 :] + VARIANTS[: step % 3]:  # each variant first in turn
             if world > 1:
                 dist.barrier()
             started = time.perf_counter()
@@ -109,13 +114,13 @@ def main() -> None:
 
     threads = max(1, (os.cpu_count() or 1) // max(args.cp))
     run = _report.Run()
-    rows = []
+    rows, steps_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for hidden in args.hidden:
             for tokens in args.tokens:
                 for cp in args.cp:
                     found = {}
-                    for variant in ("tiled", "transformers"):
+                    for variant in VARIANTS:
                         path = os.path.join(tmp, f"{variant}.json")
                         run_local_world(_memory_worker, cp, variant, tokens, hidden, args.vocab, path, threads_per_rank=threads)
                         with open(path) as f:
@@ -124,27 +129,36 @@ def main() -> None:
                     run_local_world(_time_worker, cp, tokens, hidden, args.vocab, args.steps, path, threads_per_rank=threads)
                     with open(path) as f:
                         times = json.load(f)
-                    ratio = statistics.median(a / b for a, b in zip(times["tiled"], times["transformers"]))
-                    t, r = found["tiled"], found["transformers"]
-                    rows.append(
-                        f"| {hidden} | {tokens} | {cp} | {r['saved'] / 2**20:.1f} | {t['saved'] / 2**20:.1f} | "
-                        f"{r['saved'] / t['saved']:.1f}× | {r['peak'] / 2**20:.0f} | {t['peak'] / 2**20:.0f} | "
-                        f"{statistics.median(times['transformers']) * 1e3:.0f} | {statistics.median(times['tiled']) * 1e3:.0f} | "
-                        f"{ratio:.2f} | {abs(t['loss'] - r['loss']) / abs(r['loss']):.1e} |"
-                    )
+                    r = found["transformers"]
+                    cells = [f"{r['saved'] / 2**20:.1f}"]
+                    cells += [f"{found[v]['saved'] / 2**20:.1f} ({r['saved'] / found[v]['saved']:.0f}×)" for v in TILED]
+                    cells += [f"{r['peak'] / 2**20:.0f}", *(f"{found[v]['peak'] / 2**20:.0f}" for v in TILED)]
+                    cells += [f"{statistics.median(times[v]) * 1e3:.0f}" for v in ("transformers", *TILED)]
+                    cells += [f"{statistics.median(a / b for a, b in zip(times[v], times['transformers'])):.2f}" for v in TILED]
+                    cells.append(f"{max(abs(found[v]['loss'] - r['loss']) for v in TILED) / abs(r['loss']):.1e}")
+                    rows.append(f"| {hidden} | {tokens} | {cp} | " + " | ".join(cells) + " |")
                     print(rows[-1], flush=True)
+                    steps_rows.append(f"| {hidden}, {tokens}, cp {cp} | " + " | ".join(
+                        ", ".join(f"{t * 1e3:.0f}" for t in times[v]) for v in ("transformers", *TILED)) + " |")
     table = "\n".join([
         f"Loss path (lm_head + cross entropy, forward + backward, fp32) at vocab {args.vocab}; tiles of "
         f"{token_tile_size(args.vocab)} tokens; per rank (rank 0); {args.steps} timed steps per variant, alternating; "
-        f"{threads} threads per rank.\n",
-        "| hidden | tokens | cp | saved for backward, Transformers (MiB) | saved, tiled (MiB) | less saved | "
-        "peak RSS above set-up, Transformers (MiB) | peak, tiled (MiB) | step, Transformers (ms, median) | "
-        "step, tiled (ms, median) | time ratio tiled / Transformers (median of pairs) | loss relative difference |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"{threads} threads per rank. In brackets: how many times less than Transformers' loss saves.\n",
+        "| hidden | tokens | cp | saved for backward, Transformers (MiB) | saved, recompute (MiB) | saved, hold (MiB) | "
+        "peak RSS above set-up, Transformers (MiB) | peak, recompute (MiB) | peak, hold (MiB) | "
+        "step, Transformers (ms, median) | step, recompute (ms, median) | step, hold (ms, median) | "
+        "time ratio recompute / Transformers (median of pairs) | time ratio hold / Transformers | "
+        "loss relative difference (largest) |",
+        "|" + "---|" * 15,
         *rows,
+        "\nEvery timed step (ms), in order; in step s the variants ran in the order recompute, hold, "
+        "Transformers rotated by s (each first in turn):\n",
+        "| hidden, tokens, cp | Transformers | recompute | hold |",
+        "|---|---|---|---|",
+        *steps_rows,
     ])
     print(table)
-    run.write(_report.results_dir(args), "loss_memory.md", "The loss path at Qwen3.5's vocabulary: tiled vs Transformers", table)
+    run.write(_report.results_dir(args), "loss_memory.md", "The loss path at Qwen3.5's vocabulary: tiled (recompute, hold) vs Transformers", table)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""What `qwen35-accel plan` predicts: the longest context that fits, per cp, tiled loss vs Transformers'.
+"""What `qwen35-accel plan` predicts: the longest context that fits, per cp, tiled loss (both modes) vs Transformers'.
 
     python benchmarks/plan_table.py [--gpus 8] [--gpu-memory 141GB] [--smoke]
 
@@ -64,7 +64,7 @@ def main() -> None:
     ]
     details = []
     for name, shape in _shapes(args.smoke).items():
-        for tiled, label in ((True, "tiled"), (False, "Transformers'")):
+        for tiled, label in (("recompute", "tiled, recompute"), ("hold", "tiled, hold"), ("off", "Transformers'")):
             options = StepOptions(seq_len=STEP, activation_checkpointing=True, tiled_loss=tiled)
             longest = {}
             for cp in cps:

@@ -156,7 +156,9 @@ class StepOptions:
     `compute_bytes`: the compute dtype's size (2 under bf16/fp16, else the storage's);
     `param_bytes`: the storage dtype's size (4 under a bf16/fp16 policy: fp32 masters);
     `device`: where the step runs; `fla`: on "cuda", whether FLA and causal-conv1d are
-    installed (the GatedDeltaNet kernels; without them Transformers' torch kernels run)."""
+    installed (the GatedDeltaNet kernels; without them Transformers' torch kernels run);
+    `tiled_loss`: "recompute", "hold" or "off" (Transformers' loss), as the setting of that
+    name (True is "recompute", False "off")."""
 
     seq_len: int
     batch_size: int = 1
@@ -164,7 +166,7 @@ class StepOptions:
     param_bytes: int = 4
     optimizer: str = "adamw"
     activation_checkpointing: bool = False
-    tiled_loss: bool = True
+    tiled_loss: bool | str = "recompute"
     loss_tile_bytes: int = DEFAULT_LOSS_TILE_BYTES
     loss_tiles_alive: int = DEFAULT_LOSS_TILES_ALIVE
     forward_prefetch_depth: int = 1
@@ -173,6 +175,12 @@ class StepOptions:
     fla: bool = True
 
     def __post_init__(self) -> None:
+        from .parallel.tiled_head import LOSS_MODES
+
+        if isinstance(self.tiled_loss, bool):
+            object.__setattr__(self, "tiled_loss", "recompute" if self.tiled_loss else "off")
+        if self.tiled_loss not in ("off", *LOSS_MODES):
+            raise ValueError(f"tiled_loss {self.tiled_loss!r} is not one of off, {', '.join(LOSS_MODES)}; pass one of them")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}; pass one of them")
         if self.seq_len < 1 or self.batch_size < 1:
@@ -354,15 +362,19 @@ def _vocab_local(shape: ModelShape, parallel: Parallel) -> int:
 def loss_saved(shape: ModelShape, parallel: Parallel, options: StepOptions) -> int:
     """Bytes the lm_head and the cross entropy keep for backward on a rank.
 
-    Tiled (`parallel.tiled_head.linear_cross_entropy_sum`, gradients computed in forward):
-    the gradients of the hidden states and of this rank's lm_head rows, in the compute dtype,
-    and the bool mask of labelled tokens. Transformers' loss: the lm_head's input, the fp32
+    Tiled (`parallel.tiled_head.linear_cross_entropy_sum`), every token labelled:
+    "recompute": the labelled hidden states in the compute dtype, the int64 targets, one fp32
+    log-sum-exp per token and the bool mask of labelled tokens; "hold" (gradients computed in
+    forward): the gradients of the hidden states and of this rank's lm_head rows, in the
+    compute dtype, and the mask. Transformers' loss: the lm_head's input, the fp32
     log-softmax [tokens, vocab] and the targets; vocab-parallel TP: the fp32 exponentials of
     this rank's vocab slice.
     """
     tokens = options.batch_size * options.seq_len // parallel.cp
     hidden = tokens * shape.hidden * options.compute_bytes
-    if options.tiled_loss:
+    if options.tiled_loss == "recompute":
+        return hidden + tokens * (8 + 4 + 1)
+    if options.tiled_loss == "hold":
         return hidden + _vocab_local(shape, parallel) * shape.hidden * options.compute_bytes + tokens
     return hidden + tokens * _vocab_local(shape, parallel) * 4 + (tokens + options.batch_size) * 8
 
@@ -370,7 +382,7 @@ def loss_saved(shape: ModelShape, parallel: Parallel, options: StepOptions) -> i
 def _loss_transient(shape: ModelShape, parallel: Parallel, options: StepOptions) -> int:
     tokens = options.batch_size * options.seq_len // parallel.cp
     vocab = _vocab_local(shape, parallel)
-    if options.tiled_loss:  # the tiles, and the fp32 accumulators of both gradients
+    if options.tiled_loss != "off":  # the tiles, and the fp32 accumulators of both gradients (forward or backward)
         tile = min(tokens, loss_tile_tokens(vocab, options.loss_tile_bytes))
         return options.loss_tiles_alive * tile * vocab * 4 + (vocab + tokens) * shape.hidden * 4
     # the logits in the compute dtype with their fp32 copy (forward), or their fp32 gradient
@@ -513,7 +525,7 @@ def memory_report(
 def describe(report: dict[str, Any], gpus: int) -> list[str]:
     """`memory_report` as the lines `plan` prints."""
     m, o = report["memory_per_rank"], report["memory_assumptions"]
-    loss = "tiled loss" if o["tiled_loss"] else "Transformers' loss"
+    loss = f"tiled loss ({o['tiled_loss']})" if o["tiled_loss"] != "off" else "Transformers' loss"
     kernels = "FLA/causal-conv1d" if o["fla"] and o["device"] == "cuda" else "torch"
     lines = [
         f"memory per rank (seq_len {o['seq_len']}, batch {o['batch_size']}, {o['optimizer']}, "

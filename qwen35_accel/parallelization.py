@@ -35,7 +35,7 @@ from .parallel.fsdp import (
     unit_record,
 )
 from .parallel.mesh import ParallelDims, mesh_device, mesh_dim_names, mesh_dim_size
-from .parallel.tiled_loss import install_tiled_loss, uses_tiled_loss
+from .parallel.tiled_loss import install_tiled_loss, tiled_loss_choice, tiled_loss_mode
 from .parallel.tensor_parallel import (
     apply_tensor_parallel,
     apply_vocab_parallel_lm_head,
@@ -86,7 +86,7 @@ class Qwen3_5ModelParallelizer:
         fp32_holder_units: Fp32HolderUnits = "per_layer",
         vocab_parallel_lm_head: bool = False,
         cp_state_exchange: str = "auto",
-        tiled_loss: bool = True,
+        tiled_loss: bool | str = "recompute",
     ) -> nn.Module:
         """Parallelize `model` over `device_mesh` and return it (the same object).
 
@@ -107,9 +107,12 @@ class Qwen3_5ModelParallelizer:
         `frozen_multimodal_sharding="shard"`) run the tower on a zero placeholder image in
         forwards without images or videos, its output added times zero, so ranks with and
         without images issue the same collectives (`install_vision_placeholder`).
-        `tiled_loss=True` (`Qwen3_5ForCausalLM`): training forwards with labels compute the
-        lm_head and the loss in tiles of tokens and return `logits=None`
-        (`install_tiled_loss`); other forwards keep Transformers' logits.
+        `tiled_loss` "recompute" (or True) or "hold" (`Qwen3_5ForCausalLM` and the VLM): training forwards
+        with labels compute the lm_head and the loss in tiles of tokens and return
+        `logits=None` (`install_tiled_loss`; "recompute" keeps the hidden states and
+        recomputes the tiles in backward, "hold" holds the gradients, a weight-sized one
+        among them, from forward); other forwards keep Transformers' logits. "off" (or
+        False): Transformers' loss.
 
         Preconditions: `torch.distributed` is initialised; `model` is a dense Qwen3.5
         model (TypeError otherwise), possibly inside a PEFT LoRA wrapper, not yet sharded; `device_mesh` has a dim (own or
@@ -126,6 +129,7 @@ class Qwen3_5ModelParallelizer:
         _check_choice("frozen_multimodal_sharding", frozen_multimodal_sharding, FROZEN_MULTIMODAL_SHARDING_CHOICES)
         _check_choice("fp32_holder_units", fp32_holder_units, FP32_HOLDER_UNITS_CHOICES)
         _check_choice("cp_state_exchange", cp_state_exchange, EXCHANGES)
+        tiled_loss = tiled_loss_choice(tiled_loss)
         dims = ParallelDims(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, cp_mesh_name, tp_mesh_name)
         tp_size, cp_size = dims.tp_size, dims.cp_size
         if tp_size > 1:
@@ -141,8 +145,8 @@ class Qwen3_5ModelParallelizer:
             apply_tensor_parallel(base, dims.tp)
             if vocab_parallel_lm_head:
                 apply_vocab_parallel_lm_head(base, dims.tp)
-        if tiled_loss:  # before FSDP2, whose class swap then subclasses this one
-            install_tiled_loss(base)
+        if tiled_loss != "off":  # before FSDP2, whose class swap then subclasses this one
+            install_tiled_loss(base, mode=tiled_loss)
         if activation_checkpointing:
             apply_activation_checkpointing(checkpoint_targets(parts))
         self.apply_fsdp_sharding(
@@ -172,7 +176,7 @@ class Qwen3_5ModelParallelizer:
             describe_checkpoint_targets(parts) if activation_checkpointing else "off",
             cp_size,
             tp_size,
-            uses_tiled_loss(base),
+            tiled_loss_mode(base),
         )
         return model
 

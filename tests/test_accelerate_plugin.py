@@ -35,6 +35,16 @@ def test_settings_defaults_env_and_errors():
         PluginSettings.from_env({"QWEN35_ACCEL_CPUFSDP": "1"}, strict=True)
 
 
+def test_tiled_loss_setting_takes_its_modes_and_its_former_boolean_spellings():
+    from qwen35_accel.integrations.settings import PluginSettings
+
+    assert PluginSettings().tiled_loss == "recompute"
+    for raw, mode in {"1": "recompute", "true": "recompute", "0": "off", "False": "off", "off": "off", "Hold": "hold"}.items():
+        assert PluginSettings.from_env({"QWEN35_ACCEL_TILED_LOSS": raw}).tiled_loss == mode, raw
+    with pytest.raises(ValueError, match=r"QWEN35_ACCEL_TILED_LOSS='keep': expected one of \['off', 'recompute', 'hold'\]"):
+        PluginSettings.from_env({"QWEN35_ACCEL_TILED_LOSS": "keep"})
+
+
 def test_patch_points_install_idempotently_restore_and_respect_the_version_guard(monkeypatch):
     import accelerate
     import transformers.trainer

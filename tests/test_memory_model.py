@@ -3,14 +3,13 @@
 Activation and loss bytes are measured with saved-tensor hooks (distinct storages,
 parameters excluded) on a tiny-but-wide Qwen3.5 under `PARALLELIZER.apply` in a gloo world
 of 2: cp 1 (dp_shard 2), cp 2, tp 2, each with activation checkpointing off and on, tp 2 with
-a vocab-parallel lm_head, and the tiled loss once `PARALLELIZER.apply` takes `tiled_loss`. Under checkpointing the
+a vocab-parallel lm_head, and the tiled loss in both modes (recompute, hold). Under checkpointing the
 layers' saved tensors are recomputed, so what stays is what the checkpoint holds: the
 tensors each checkpointed layer was called with (counted by a pre-hook).
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -41,17 +40,14 @@ SEQ = 256
 TOLERANCE = 0.10  # the issue's bound: the model is for deciding what fits, not byte accounting
 
 
-def _tiled_loss_available() -> bool:
-    from qwen35_accel import PARALLELIZER
+Case = tuple[str, bool, str]  # (layout, activation checkpointing, tiled_loss: off, recompute or hold)
+TRANSFORMERS_LOSS_CASES: list[Case] = [(layout, ac, "off") for layout in ("cp1", "cp2", "tp2") for ac in (False, True)]
+TRANSFORMERS_LOSS_CASES.append(("tp2 vocab", True, "off"))
 
-    return "tiled_loss" in inspect.signature(PARALLELIZER.apply).parameters
 
-
-Case = tuple[str, bool, bool]  # (layout, activation checkpointing, tiled loss)
-TRANSFORMERS_LOSS_CASES: list[Case] = [(layout, ac, False) for layout in ("cp1", "cp2", "tp2") for ac in (False, True)]
-TRANSFORMERS_LOSS_CASES.append(("tp2 vocab", True, False))
-# The loss does not depend on checkpointing: the tiled loss is measured with it on only.
-TILED_LOSS_CASES: list[Case] = [(layout, True, True) for layout in ("cp1", "cp2", "tp2", "tp2 vocab")]
+def _tiled_loss_cases(mode: str) -> list[Case]:
+    # The loss does not depend on checkpointing: the tiled loss is measured with it on only.
+    return [(layout, True, mode) for layout in ("cp1", "cp2", "tp2", "tp2 vocab")]
 
 
 def _mesh(layout: str):
@@ -66,7 +62,7 @@ def _mesh(layout: str):
     return init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard_cp", "tp"))  # tp2, tp2 vocab
 
 
-def _measure(layout: str, ac: bool, tiled: bool) -> dict[str, int]:
+def _measure(layout: str, ac: bool, tiled: str) -> dict[str, int]:
     """{"activations", "loss"}: bytes this rank's forward keeps for backward; "parameters":
     bytes of this rank's parameter shards."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -78,10 +74,9 @@ def _measure(layout: str, ac: bool, tiled: bool) -> dict[str, int]:
 
     mesh = _mesh(layout)
     model = build_tiny_causal_lm(seed=0, **SHAPE)
-    extra = {"tiled_loss": tiled} if _tiled_loss_available() else {}
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     vocab = layout == "tp2 vocab"
-    PARALLELIZER.apply(model, mesh, mp_policy=policy, activation_checkpointing=ac, vocab_parallel_lm_head=vocab, **extra)
+    PARALLELIZER.apply(model, mesh, mp_policy=policy, activation_checkpointing=ac, vocab_parallel_lm_head=vocab, tiled_loss=tiled)
     local = {(p._local_tensor if isinstance(p, DTensor) else p) for p in model.parameters()}
     parameters = sum(t.numel() * t.element_size() for t in local)
     batch = random_batch(1, SEQ, SHAPE["vocab_size"], seed=0)
@@ -134,7 +129,7 @@ def _world(rank: int, world: int, cases: list[Case], out: str) -> None:
         Path(out).write_text(json.dumps(results))
 
 
-def _predicted(layout: str, ac: bool, tiled: bool) -> MemoryEstimate:
+def _predicted(layout: str, ac: bool, tiled: str) -> MemoryEstimate:
     from qwen35_accel.testing.tiny import tiny_text_config
 
     parallel = {"cp1": Parallel(dp_shard=2), "cp2": Parallel(cp=2), "tp2": Parallel(tp=2),
@@ -168,11 +163,9 @@ def test_predicted_bytes_match_measured_within_10_percent_with_transformers_loss
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skipif(
-    not _tiled_loss_available(), reason="PARALLELIZER.apply has no `tiled_loss` parameter yet (the tiled loss is built apart)"
-)
-def test_predicted_bytes_match_measured_within_10_percent_with_tiled_loss(tmp_path):
-    _check_cases(TILED_LOSS_CASES, tmp_path)
+@pytest.mark.parametrize("mode", ["recompute", "hold"])
+def test_predicted_bytes_match_measured_within_10_percent_with_tiled_loss(mode, tmp_path):
+    _check_cases(_tiled_loss_cases(mode), tmp_path)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -191,7 +184,7 @@ def test_predicted_bytes_match_the_unmodified_model_at_another_shape(dtype):
     batch = random_batch(rows, seq, shape["vocab_size"], seed=0)
     got = _saved_by_part(model, batch, checkpointed=False)
     options = StepOptions(seq_len=seq, batch_size=rows, compute_bytes=dtype.itemsize, param_bytes=dtype.itemsize, device="cpu",
-                          tiled_loss=False)
+                          tiled_loss="off")
     want = estimate(ModelShape.from_config(tiny_text_config(**shape)), Parallel(), options)
     for part in ("activations", "loss"):
         assert abs(getattr(want, part) / got[part] - 1) <= TOLERANCE, (part, getattr(want, part), got[part])
@@ -222,7 +215,7 @@ def test_loss_tiles_hold_at_most_256_MiB_of_fp32_logits_in_multiples_of_8_tokens
 
 
 def test_suggested_cp_is_the_smallest_that_fits():
-    shape, options = _27b_like(), StepOptions(seq_len=131072, tiled_loss=True)
+    shape, options = _27b_like(), StepOptions(seq_len=131072, tiled_loss="recompute")
     gpu = parse_bytes("141GB")
     cp = suggest_cp(shape, Parallel(dp_shard=8), options, gpu)
     assert cp is not None and cp > 1

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from qwen35_accel.parallel.tiled_head import OPTIONAL_STATS, linear_cross_entropy_sum, linear_token_stats, token_tile_size
+from qwen35_accel.parallel.tiled_head import LOSS_MODES, OPTIONAL_STATS, linear_cross_entropy_sum, linear_token_stats, token_tile_size
 from _dist import run_world
 
 N, H, V = 37, 16, 48  # 37 tokens: tiles of 8 leave a remainder
@@ -82,12 +82,13 @@ def _cross_entropy_reference():
     return loss.detach(), [t.grad for t in leaves]
 
 
+@pytest.mark.parametrize("mode", LOSS_MODES)
 @pytest.mark.parametrize("tile", [8, 64])
-def test_cross_entropy_sum_and_its_gradients_computed_in_forward_equal_whole_logits(tile):
+def test_cross_entropy_sum_and_its_gradients_equal_whole_logits(tile, mode):
     want, want_grads = _cross_entropy_reference()
     hidden, weight, bias, targets = _problem()
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-    loss = linear_cross_entropy_sum(*leaves, targets, tile=tile)
+    loss = linear_cross_entropy_sum(*leaves, targets, tile=tile, mode=mode)
     torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
     (0.37 * loss).backward()
     for leaf, grad, name in zip(leaves, want_grads, ("hidden", "weight", "bias")):
@@ -131,14 +132,39 @@ def _vocab_parallel_worker(rank: int, world: int, temperature: float) -> None:
 
 
     want, want_grads = _cross_entropy_reference()
-    leaves = [hidden.clone().requires_grad_(), weight[rows].clone().requires_grad_(), bias[rows].clone().requires_grad_()]
-    loss = linear_cross_entropy_sum(*leaves, targets, group=dist.group.WORLD, tile=8)
-    torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
-    (0.37 * loss).backward()
-    for leaf, grad, name in zip(leaves, (want_grads[0], want_grads[1][rows], want_grads[2][rows]), ("hidden", "weight", "bias")):
-        torch.testing.assert_close(leaf.grad, grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"rank {rank} CE grad {n}: {m}")
+    for mode in LOSS_MODES:
+        leaves = [hidden.clone().requires_grad_(), weight[rows].clone().requires_grad_(), bias[rows].clone().requires_grad_()]
+        loss = linear_cross_entropy_sum(*leaves, targets, group=dist.group.WORLD, tile=8, mode=mode)
+        torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
+        (0.37 * loss).backward()
+        for leaf, grad, name in zip(leaves, (want_grads[0], want_grads[1][rows], want_grads[2][rows]), ("hidden", "weight", "bias")):
+            torch.testing.assert_close(leaf.grad, grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"rank {rank} {mode} CE grad {n}: {m}")
 
 
 @pytest.mark.multiprocess
 def test_vocab_parallel_stats_and_gradients_equal_whole_logits():
     run_world(_vocab_parallel_worker, 2, 0.7)
+
+
+def test_recompute_saves_only_the_hidden_states_as_given_the_targets_and_one_fp32_per_row():
+    hidden, weight, bias, targets = _problem()
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        linear_cross_entropy_sum(*leaves, targets, tile=8, mode="recompute")
+    for param in leaves[1:]:
+        saved.pop(param.untyped_storage().data_ptr())
+    assert saved.pop(leaves[0].untyped_storage().data_ptr()) == N * H * 4  # no copy of the hidden states
+    assert saved.pop(targets.untyped_storage().data_ptr()) == N * 8
+    assert list(saved.values()) == [N * 4]  # the log-sum-exp
+
+
+def test_an_unknown_mode_is_refused():
+    hidden, weight, bias, targets = _problem()
+    with pytest.raises(ValueError, match="mode 'keep' is not one of"):
+        linear_cross_entropy_sum(hidden, weight, bias, targets, mode="keep")

@@ -219,10 +219,11 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
 def _loss_in_effect(model: nn.Module) -> str:
     """The training loss's path, for the prepared line."""
     from ..model.detect import unwrap_qwen35
-    from ..parallel.tiled_loss import uses_tiled_loss
+    from ..parallel.tiled_loss import tiled_loss_mode
 
-    if uses_tiled_loss(unwrap_qwen35(model)):
-        return "tiled (training forwards return no logits; QWEN35_ACCEL_TILED_LOSS=0 for Transformers')"
+    mode = tiled_loss_mode(unwrap_qwen35(model))
+    if mode != "off":
+        return f"tiled, {mode} (training forwards return no logits; QWEN35_ACCEL_TILED_LOSS=off for Transformers')"
     return "Transformers' (whole logits)"
 
 

@@ -46,10 +46,13 @@ class PluginSettings:
         "under tp > 1, split the lm_head by vocab too; the loss combines the slices (model outputs then hold this "
         "rank's vocab slice of the logits; needs untied embeddings)",
     )
-    tiled_loss: bool = _knob(
-        True,
+    tiled_loss: str = _knob(
+        "recompute",
         "training forwards with labels compute the lm_head and the loss in tiles of tokens, never holding "
-        "[tokens, vocab] (the returned logits are then None); 0: Transformers' loss from the whole logits",
+        "[tokens, vocab] (the returned logits are then None): recompute (or 1) keeps the hidden states and one "
+        "number per token and recomputes the tiles in backward; hold computes the gradients in forward (one GEMM "
+        "fewer per tile) and holds them, one of the lm_head weight's size; off (or 0): Transformers' loss from the "
+        "whole logits",
     )
     cp_state_exchange: str = _knob(
         "auto",
@@ -122,7 +125,10 @@ _CHOICES = {
     "frozen_multimodal_sharding": ("root", "replicate", "shard"),
     "fp32_holder_units": ("per_layer", "model"),
     "cp_state_exchange": ("auto", "allgather", "scan"),
+    "tiled_loss": ("off", "recompute", "hold"),
 }
+# Choice knobs that were booleans: their boolean spellings still work (true: the first choice after "off").
+_FORMERLY_BOOLEAN = {"tiled_loss": {True: "recompute", False: "off"}}
 
 
 def _parse(env_name: str, field: dataclasses.Field, raw: str) -> object:
@@ -139,6 +145,8 @@ def _parse(env_name: str, field: dataclasses.Field, raw: str) -> object:
         if number < 0:
             raise ValueError(f"{env_name}={raw!r}: expected a non-negative integer")
         return number
+    if field.name in _FORMERLY_BOOLEAN and value in _BOOLEAN and value not in _CHOICES[field.name]:
+        return _FORMERLY_BOOLEAN[field.name][_BOOLEAN[value]]
     choices = _CHOICES.get(field.name)
     if choices is not None and value not in choices:
         raise ValueError(f"{env_name}={raw!r}: expected one of {list(choices)}")

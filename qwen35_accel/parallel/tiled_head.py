@@ -6,9 +6,13 @@ the lm_head and drop each tile once used:
 - `linear_token_stats`: per-token statistics (log-probability of the target, optionally
   entropy, top-1, ...) with any upstream gradient; backward recomputes each tile. Saved for
   backward: the hidden states, the targets and two fp32 numbers per token. (TRL's fused head.)
-- `linear_cross_entropy_sum`: the summed cross entropy (the training loss); its gradients are
-  computed tile by tile in forward and only scaled in backward, three GEMMs per tile as with
-  whole logits. Held for backward: the gradients of hidden states, weight and bias.
+- `linear_cross_entropy_sum`: the summed cross entropy (the training loss), in one of two
+  modes (`LOSS_MODES`). "recompute": forward keeps each token's log-sum-exp and backward
+  recomputes each tile's logits (one GEMM per tile in forward, three in backward); saved for
+  backward: the hidden states, the targets and one fp32 number per token. "hold": the
+  gradients are computed tile by tile in forward and only scaled in backward (three GEMMs
+  per tile, as with whole logits); held for backward: the gradients of hidden states,
+  weight and bias (the lm_head weight's size, whatever the length).
 
 With a vocab-parallel lm_head (`group`: each rank holds rows `vocab_start : vocab_start + V/tp`
 of the weight) the per-token statistics are combined over the group (one max, one sum and,
@@ -46,8 +50,9 @@ def lm_head_weights(lm_head: nn.Module, hidden_states: torch.Tensor) -> tuple[to
     """The lm_head's (weight, bias) as its own forward would use them, after running the
     module on zero tokens: its hooks gather an FSDP2 unit of its own (a tail split by dtype)
     and register it for the end of backward's reduce-scatter, which reading `.weight` alone
-    would skip (leaving a sharded DTensor)."""
-    lm_head(hidden_states[:0])
+    would skip (leaving a sharded DTensor). The zero tokens are a tensor of their own: a
+    view of `hidden_states` would be saved by the module's backward and keep its storage."""
+    lm_head(hidden_states.new_empty((0, hidden_states.shape[-1])))
     return lm_head.weight, lm_head.bias
 
 
@@ -101,6 +106,40 @@ def _zero_grads(
         torch.zeros(t.shape, device=t.device, dtype=torch.float32) if need and t is not None else None
         for need, t in zip(needs[:3], (h, w, b))
     )
+
+
+Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _add_tile_grads(grads: Grads, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, start: int, end: int) -> None:
+    """Add one tile's share to the fp32 accumulators `grads` (of hidden, weight, bias), from
+    `g` = d(output)/d(logits) [tile, V_local] fp32 of the rows `h[start:end]`."""
+    grad_hidden, grad_weight, grad_bias = grads
+    if grad_hidden is not None:
+        grad_hidden[start:end] = torch.mm(g.to(w.dtype), w).float()
+    if grad_weight is not None:
+        grad_weight.addmm_(g.t(), h[start:end].float())
+    if grad_bias is not None:
+        grad_bias += g.sum(dim=0)
+
+
+def _finish_grads(
+    grads: Grads, group: dist.ProcessGroup | None, dtypes: tuple[torch.dtype | None, ...], scale: torch.Tensor | None = None
+) -> Grads:
+    """The accumulated gradients summed over the vocab group (hidden's: each rank's vocab
+    slice contributes), times `scale` (the upstream gradient) if given, in `dtypes`."""
+    grad_hidden = grads[0]
+    if grad_hidden is not None and group is not None:
+        dist.all_reduce(grad_hidden, group=group)
+    if scale is not None:
+        for g in grads:
+            if g is not None:
+                g.mul_(scale.to(torch.float32))
+    return tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads, dtypes))  # type: ignore[return-value]
+
+
+def _dtypes(*tensors: torch.Tensor | None) -> tuple[torch.dtype | None, ...]:
+    return tuple(None if t is None else t.dtype for t in tensors)
 
 
 class _LinearTokenStats(torch.autograd.Function):
@@ -185,7 +224,7 @@ class _LinearTokenStats(torch.autograd.Function):
         hidden, weight, bias, local_targets, mine, log_z, entropy = ctx.saved_tensors
         h, w, b = _in_compute_dtype(hidden, weight, bias, ctx.dtype)
         n = h.shape[0]
-        grad_hidden, grad_weight, grad_bias = _zero_grads(ctx.needs_input_grad, h, w, b)
+        grads = _zero_grads(ctx.needs_input_grad, h, w, b)
         for start in range(0, n, ctx.tile):
             end = min(start + ctx.tile, n)
             z = _tile_logits(h[start:end], w, b, ctx.inv_t)
@@ -201,20 +240,8 @@ class _LinearTokenStats(torch.autograd.Function):
             del z, log_p, p
             if ctx.inv_t != 1.0:
                 g *= ctx.inv_t
-            if grad_hidden is not None:
-                grad_hidden[start:end] = torch.mm(g.to(w.dtype), w).float()
-            if grad_weight is not None:
-                grad_weight.addmm_(g.t(), h[start:end].float())
-            if grad_bias is not None:
-                grad_bias += g.sum(dim=0)
-        if grad_hidden is not None and ctx.group is not None:  # each rank's vocab slice contributes
-            dist.all_reduce(grad_hidden, group=ctx.group)
-        return (
-            grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
-            grad_weight.to(weight.dtype) if grad_weight is not None else None,
-            grad_bias.to(bias.dtype) if grad_bias is not None else None,
-            *(None,) * 7,
-        )
+            _add_tile_grads(grads, g, h, w, start, end)
+        return (*_finish_grads(grads, ctx.group, _dtypes(hidden, weight, bias)), *(None,) * 7)
 
 
 def linear_token_stats(
@@ -253,10 +280,39 @@ def linear_token_stats(
     return TokenStats(*stats)
 
 
+def _tile_softmax(
+    z: torch.Tensor, local_targets: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile's fp32 logits `z` [tile, V_local] turned in place into exp(z - M), M the row's
+    max over the whole vocab; returns (exp(z - M), M, Σ exp(z - M) over the whole vocab,
+    target logit - M), the last three [tile]. Over `group`: a max and a sum all-reduce of
+    [tile] vectors."""
+    row_max = z.max(dim=-1).values
+    if group is not None:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    z -= row_max.unsqueeze(-1)
+    target_logit = z.gather(1, local_targets[:, None]).squeeze(1) * mine
+    p = z.exp_()
+    sums = torch.stack([p.sum(dim=-1), target_logit])
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    sum_exp, target_logit = sums.unbind(0)
+    return p, row_max, sum_exp, target_logit
+
+
+def _cross_entropy_grad_(p: torch.Tensor, local_targets: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """d(-log p_target)/dz = p - 1[target], in place in the probabilities `p` [tile, V_local]."""
+    return p.scatter_add_(1, local_targets[:, None], -mine[:, None].to(p.dtype))
+
+
+LOSS_MODES: tuple[str, ...] = ("recompute", "hold")
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
-    """Σ -log p(target) over the rows, with every gradient computed tile by tile in forward
-    (the upstream gradient of a scalar only scales them): three GEMMs per tile in all, as the
-    whole-logits path, and no recomputation in backward."""
+    """Σ -log p(target) over the rows. `hold`: every gradient is computed tile by tile in
+    forward and held (the upstream gradient of a scalar only scales them), three GEMMs per
+    tile in all. Otherwise ("recompute") forward keeps one log-sum-exp per token and backward
+    recomputes each tile's logits, four GEMMs per tile in all."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -268,55 +324,54 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         group: dist.ProcessGroup | None,
         vocab_start: int,
         tile: int,
+        hold: bool,
     ) -> torch.Tensor:
-        h, w, b = _in_compute_dtype(hidden, weight, bias, _compute_dtype(hidden))
+        dtype = _compute_dtype(hidden)
+        h, w, b = _in_compute_dtype(hidden, weight, bias, dtype)
         n, local_vocab = h.shape[0], w.shape[0]
-        grad_hidden, grad_weight, grad_bias = _zero_grads(ctx.needs_input_grad, h, w, b)
+        grads = _zero_grads(ctx.needs_input_grad, h, w, b) if hold else (None, None, None)
+        log_z = None if hold else torch.empty(n, device=h.device, dtype=torch.float32)
         local_targets, mine = _local_targets(targets, vocab_start, local_vocab)
         total = torch.zeros((), device=h.device, dtype=torch.float32)
         for start in range(0, n, tile):
             end = min(start + tile, n)
             z = _tile_logits(h[start:end], w, b, 1.0)
-            row_max = z.max(dim=-1).values
-            if group is not None:  # the tile's log-sum-exp and target logits over every vocab slice
-                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            z -= row_max.unsqueeze(-1)
-            p = z.exp()
-            sums = torch.stack([p.sum(dim=-1), z.gather(1, local_targets[start:end, None]).squeeze(1) * mine[start:end]])
-            if group is not None:
-                dist.all_reduce(sums, group=group)
-            sum_exp, target_logit = sums.unbind(0)
+            p, row_max, sum_exp, target_logit = _tile_softmax(z, local_targets[start:end], mine[start:end], group)
             total += (sum_exp.log() - target_logit).sum()
-            # d(-log p_target)/dz = p - 1[target]
-            p /= sum_exp.unsqueeze(-1)
-            p.scatter_add_(1, local_targets[start:end, None], -mine[start:end, None].to(p.dtype))
-            del z
-            if grad_hidden is not None:
-                grad_hidden[start:end] = torch.mm(p.to(w.dtype), w).float()
-            if grad_weight is not None:
-                grad_weight.addmm_(p.t(), h[start:end].float())
-            if grad_bias is not None:
-                grad_bias += p.sum(dim=0)
-            del p
-        if grad_hidden is not None and group is not None:  # each rank's vocab slice contributes
-            dist.all_reduce(grad_hidden, group=group)
-        grads = (
-            grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
-            grad_weight.to(weight.dtype) if grad_weight is not None else None,
-            grad_bias.to(bias.dtype) if grad_bias is not None else None,
-        )
+            if log_z is not None:
+                log_z[start:end] = row_max + sum_exp.log()
+            else:
+                p /= sum_exp.unsqueeze(-1)
+                _add_tile_grads(grads, _cross_entropy_grad_(p, local_targets[start:end], mine[start:end]), h, w, start, end)
+            del z, p
+        ctx.hold, ctx.group, ctx.vocab_start, ctx.tile, ctx.dtype = hold, group, vocab_start, tile, dtype
+        ctx.dtypes = _dtypes(hidden, weight, bias)
         # Saved as tensors (not ctx attributes), so saved-tensor hooks and offloading see them.
-        ctx.present = tuple(g is not None for g in grads)
-        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        ctx.save_for_backward(*(g for g in grads if g is not None))
+        if hold:
+            grads = _finish_grads(grads, group, ctx.dtypes)
+            ctx.present = tuple(g is not None for g in grads)
+            ctx.save_for_backward(*(g for g in grads if g is not None))
+        else:  # the inputs as given (no copy), the targets and [N] fp32
+            ctx.save_for_backward(hidden, weight, bias, targets, log_z)
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):  # type: ignore[override]
-        saved = iter(ctx.saved_tensors)
-        grads = tuple(next(saved) * grad_total.to(torch.float32) if present else None for present in ctx.present)
-        grads = tuple(g if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
-        return (*grads, *(None,) * 4)
+        if ctx.hold:
+            saved = iter(ctx.saved_tensors)
+            grads = tuple(next(saved) * grad_total.to(torch.float32) if present else None for present in ctx.present)
+            return (*(g if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), *(None,) * 5)
+        hidden, weight, bias, targets, log_z = ctx.saved_tensors
+        h, w, b = _in_compute_dtype(hidden, weight, bias, ctx.dtype)
+        local_targets, mine = _local_targets(targets, ctx.vocab_start, w.shape[0])
+        grads = _zero_grads(ctx.needs_input_grad, h, w, b)
+        for start in range(0, h.shape[0], ctx.tile):
+            end = min(start + ctx.tile, h.shape[0])
+            z = _tile_logits(h[start:end], w, b, 1.0)
+            p = z.sub_(log_z[start:end, None]).exp_()
+            _add_tile_grads(grads, _cross_entropy_grad_(p, local_targets[start:end], mine[start:end]), h, w, start, end)
+            del z, p
+        return (*_finish_grads(grads, ctx.group, ctx.dtypes, scale=grad_total), *(None,) * 5)
 
 
 def linear_cross_entropy_sum(
@@ -327,18 +382,25 @@ def linear_cross_entropy_sum(
     *,
     group: dist.ProcessGroup | None = None,
     tile: int | None = None,
+    mode: str = "recompute",
 ) -> torch.Tensor:
     """Σ over rows of the cross entropy of `hidden @ weight.T + bias` against `targets`
-    (fp32 scalar), in tiles of `tile` tokens, with the gradients computed during forward
-    (held until backward: `hidden`'s shape in fp32 before the cast to its dtype, the
-    weight's and bias's in their dtypes) and nothing of size tokens × vocab kept.
+    (fp32 scalar), in tiles of `tile` tokens; nothing of size tokens × vocab is kept.
 
-    Shapes and the vocab-parallel contract as `linear_token_stats` (collective over `group`:
-    two [tile] all-reduces per tile and one [N, H] in forward). For the training loss; use
+    `mode` (`LOSS_MODES`): "recompute" saves for backward `hidden` and `targets` as given
+    and one fp32 log-sum-exp per row, and recomputes each tile's logits in backward (four
+    GEMMs per tile in all); "hold" computes the gradients during forward and holds them
+    until backward (`hidden`'s shape and the weight's and bias's, in their dtypes; three
+    GEMMs per tile). Shapes and the vocab-parallel contract as `linear_token_stats`
+    (collective over `group`: two [tile] all-reduces per tile in forward, and one [N, H] in
+    forward with "hold", in backward with "recompute"). For the training loss; use
     `linear_token_stats` when the per-token values are needed.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden [N, H] and targets [N]; got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+    if mode not in LOSS_MODES:
+        raise ValueError(f"linear_cross_entropy_sum: mode {mode!r} is not one of {list(LOSS_MODES)}")
     local_vocab = weight.shape[0]
     vocab_start = 0 if group is None else dist.get_rank(group) * local_vocab
-    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, group, vocab_start, tile or token_tile_size(local_vocab))
+    tile = tile or token_tile_size(local_vocab)
+    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, group, vocab_start, tile, mode == "hold")

@@ -3,10 +3,13 @@
 `install_tiled_loss(model)` gives a `Qwen3_5ForCausalLM` or a `Qwen3_5ForConditionalGeneration`
 (the VLM: the same loss after its vision tower and mRoPE) a forward that, when autograd is
 recording and `labels` are given (a training step), runs the backbone and computes the loss
-with `linear_cross_entropy_sum` over the labelled positions only, tile by tile (its gradients
-computed in forward, so no GEMM is repeated), and returns `logits=None`: nothing of size
-tokens × vocab is made whole or kept for backward (Transformers' path keeps the logits and an
-fp32 copy, ~1.45 MiB per token at vocab 248,320). The loss is
+with `linear_cross_entropy_sum` over the labelled positions only, tile by tile, and returns
+`logits=None`: nothing of size tokens × vocab is made whole or kept for backward
+(Transformers' path keeps the logits and an fp32 copy, ~1.45 MiB per token at vocab
+248,320). Its mode: "recompute" (the default) keeps the labelled hidden states and one fp32
+number per token and recomputes each tile's logits in backward; "hold" computes the
+gradients in forward (no GEMM repeated) and holds them, the lm_head weight's size among them.
+The loss is
 Transformers' (`num_items_in_batch`, `shift_labels`, -100 ignored), over the model's cp
 group and vocab-parallel lm_head when `PARALLELIZER.apply` installed them (`CausalLMLoss`'s
 groups). Every other call — no labels, no grad (evaluation, prediction, generation),
@@ -30,9 +33,10 @@ from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from .losses import CP_NEEDS_SHIFT_LABELS, IGNORE_INDEX, VOCAB_GROUP_ATTR, CausalLMLoss, reduce_token_loss
-from .tiled_head import linear_cross_entropy_sum, lm_head_weights
+from .tiled_head import LOSS_MODES, linear_cross_entropy_sum, lm_head_weights
 
-TILED_LOSS_ATTR = "_qwen35_tiled_loss"  # False on an installed model: Transformers' path again
+TILED_LOSS_CHOICES: tuple[str, ...] = ("off", *LOSS_MODES)
+TILED_LOSS_ATTR = "_qwen35_tiled_loss"  # the mode; False on an installed model: Transformers' path again
 TILE_ATTR = "_qwen35_tiled_loss_tile"  # tokens per tile; None: `token_tile_size` of the local vocab
 _TILED_CLASSES: dict[type, type] = {}
 # The classes that take the tiled loss, with the output class of their forward.
@@ -45,6 +49,19 @@ _OUTPUT_CLASSES: dict[type, type] = {
 def uses_tiled_loss(model: nn.Module) -> bool:
     """Whether training forwards of `model` compute the tiled loss."""
     return bool(getattr(model, TILED_LOSS_ATTR, False))
+
+
+def tiled_loss_mode(model: nn.Module) -> str:
+    """The tiled loss's mode on `model`: "recompute", "hold", or "off" (Transformers' loss)."""
+    return getattr(model, TILED_LOSS_ATTR, False) or "off"
+
+
+def tiled_loss_choice(value: bool | str) -> str:
+    """`value` as one of `TILED_LOSS_CHOICES`: True is "recompute", False "off"."""
+    mode = ("recompute" if value else "off") if isinstance(value, bool) else value
+    if mode not in TILED_LOSS_CHOICES:
+        raise ValueError(f"tiled_loss={value!r}: expected one of {list(TILED_LOSS_CHOICES)} (or True/False)")
+    return mode
 
 
 def _tiled_loss_applies(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -84,6 +101,7 @@ def tiled_causal_lm_loss(
         targets[labelled],
         group=getattr(model, VOCAB_GROUP_ATTR, None),
         tile=getattr(model, TILE_ATTR, None),
+        mode=tiled_loss_mode(model),
     )
     return reduce_token_loss(local_sum, labelled.sum(), loss_kwargs.get("num_items_in_batch"), cp_group)
 
@@ -118,14 +136,17 @@ def _tiled_class(cls: type) -> type:
     return tiled
 
 
-def install_tiled_loss(model: nn.Module, *, tile: int | None = None) -> bool:
+def install_tiled_loss(model: nn.Module, *, tile: int | None = None, mode: str = "recompute") -> bool:
     """Give `model` (a `Qwen3_5ForCausalLM` or `Qwen3_5ForConditionalGeneration`, unsharded)
-    the tiled training loss, `tile` tokens per tile (default: `token_tile_size` of the
+    the tiled training loss in `mode` (`LOSS_MODES`: "recompute" or "hold", see
+    `linear_cross_entropy_sum`), `tile` tokens per tile (default: `token_tile_size` of the
     lm_head's rows); returns False, changing nothing, for other classes. Idempotent."""
+    if mode not in LOSS_MODES:
+        raise ValueError(f"install_tiled_loss: mode {mode!r} is not one of {list(LOSS_MODES)}")
     if not isinstance(model, tuple(_OUTPUT_CLASSES)):
         return False
     if model.__class__ not in _TILED_CLASSES.values():
         model.__class__ = _tiled_class(model.__class__)
-    setattr(model, TILED_LOSS_ATTR, True)
+    setattr(model, TILED_LOSS_ATTR, mode)
     setattr(model, TILE_ATTR, tile)
     return True

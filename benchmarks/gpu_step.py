@@ -4,7 +4,9 @@
                                   [--layers N] [--torch_compile] [--config-json PATH] [--budget S] [--smoke]
 
 One prepared script for a GPU session (no downloads: random-init models of published
-shapes). Per model and sequence, tokens/s, peak memory and an MFU estimate of:
+shapes). Per model and sequence, tokens/s, peak memory (`torch.cuda.max_memory_allocated`,
+beside what `qwen35-accel plan`'s memory model predicts for our configurations) and an MFU
+estimate of:
 
   (a) transformers   the unmodified model in one process (FLA / causal-conv1d kernels when
                      installed, as Transformers picks them), fp32 weights, bf16 autocast;
@@ -91,6 +93,21 @@ def flops_per_token(config, seq: int) -> float:
     attention = 6 * n_attn * seq * config.num_attention_heads * config.head_dim
     state = 6 * n_gdn * config.linear_num_value_heads * 4 * config.linear_key_head_dim * config.linear_value_head_dim
     return 6 * matmul + attention + state
+
+
+def predicted_bytes(config, seq: int, world: int, device_type: str) -> int:
+    """What `qwen35-accel plan`'s memory model predicts per rank for an "ours" configuration
+    of this script: FSDP2 over a cp group of `world`, bf16 compute on fp32 masters (fp32 on the
+    CPU smoke), SGD without momentum (no state), checkpointing, the default tiled loss."""
+    import importlib.util
+
+    from qwen35_accel.memory_model import ModelShape, Parallel, StepOptions, estimate
+
+    smoke = device_type == "cpu"
+    options = StepOptions(seq_len=seq, compute_bytes=4 if smoke else 2, param_bytes=4, optimizer="none",
+                          activation_checkpointing=True, device=device_type,
+                          fla=importlib.util.find_spec("fla") is not None)
+    return estimate(ModelShape.from_config(config), Parallel(cp=world), options).total
 
 
 def _worker(rank: int, world: int, name: str, config_dict: dict, seq: int, steps: int, warmup: int, compiled: bool,
@@ -220,8 +237,8 @@ def main() -> None:
     started = time.perf_counter()
     lines = [f"Batch 1, activation checkpointing, SGD; median of {args.steps} steps after {args.warmup} warm-up steps; "
              f"layers: {args.layers or 'all'}; MFU against {peak or 'n/a'} TFLOP/s.\n",
-             "| model | seq | config | compiled | tokens/s | vs transformers | peak memory (GiB, per rank) | MFU | first loss |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | seq | config | compiled | tokens/s | vs transformers | peak memory (GiB, per rank) | plan predicts (GiB) | MFU | first loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for model_name, shape in shapes.items():
         known = {k: v for k, v in shape.items() if k in SMOKE_SHAPE or k in COMMON}
         config = text_config(known, args.layers)
@@ -231,12 +248,12 @@ def main() -> None:
                 baseline = None
                 for name in CONFIGS:
                     if args.budget is not None and time.perf_counter() - started >= args.budget:
-                        lines.append(f"| {model_name} | {seq} | {name} | {compiled} | skipped (--budget {args.budget:g} s) | | | | |")
+                        lines.append(f"| {model_name} | {seq} | {name} | {compiled} | skipped (--budget {args.budget:g} s) | | | | | |")
                         print(lines[-1], flush=True)
                         continue
                     ranks = _run(name, config, seq, args, compiled, device_type)
                     if any(r.get("oom") for r in ranks):
-                        lines.append(f"| {model_name} | {seq} | {name} | {compiled} | OOM | | | | |")
+                        lines.append(f"| {model_name} | {seq} | {name} | {compiled} | OOM | | | | | |")
                         continue
                     seconds = max(r["seconds"] for r in ranks)
                     tokens = seq / seconds
@@ -244,7 +261,10 @@ def main() -> None:
                     ratio = f"{tokens / baseline:.3f}" if baseline else ""
                     memory = "/".join(f"{r['peak_bytes'] / 2**30:.1f}" for r in ranks) if ranks[0]["peak_bytes"] is not None else "n/a"
                     mfu = f"{tokens * flops / (peak * 1e12):.3f}" if peak else "n/a"
-                    lines.append(f"| {model_name} | {seq} | {name} | {compiled} | {tokens:.1f} | {ratio} | {memory} | {mfu} | "
+                    # The memory model covers our path, not Transformers' autocast one.
+                    world = 2 if name == "ours cp 2" else 1
+                    plan = "" if name == "transformers" else f"{predicted_bytes(config, seq, world, device_type) / 2**30:.1f}"
+                    lines.append(f"| {model_name} | {seq} | {name} | {compiled} | {tokens:.1f} | {ratio} | {memory} | {plan} | {mfu} | "
                                  f"{ranks[0]['first_loss']:.6f} |")
                     print(lines[-1], flush=True)
     table = "\n".join(lines)

@@ -1,9 +1,11 @@
 """The loss path at Qwen3.5's vocabulary: memory and time, the tiled loss's two modes vs Transformers' loss.
 
-    python benchmarks/loss_memory.py [--vocab 248320] [--hidden 512 1024] [--tokens 2048] [--cp 1 2] [--steps 3] [--smoke]
+    python benchmarks/loss_memory.py [--vocab 248320] [--hidden 512 1024] [--tokens 2048] [--cp 1 2] [--steps 3]
+                                     [--device cpu|cuda] [--dtype fp32|bf16] [--smoke]
 
 The loss path is the lm_head and the cross entropy on given hidden states `[tokens, hidden]`
-(what the decoder hands over): forward + backward, fp32, every token labelled.
+(what the decoder hands over): forward + backward, in `--dtype` (fp32 by default; bf16 as
+under a bf16 policy: bf16 logits, Transformers' loss then upcasts them), every token labelled.
 - recompute, hold: `parallel.tiled_head.linear_cross_entropy_sum` in that mode (tiles of
   `token_tile_size(vocab)` tokens; recompute: one log-sum-exp per token kept, each tile
   recomputed in backward; hold: gradients computed in forward and held) and the loss
@@ -13,9 +15,10 @@ The loss path is the lm_head and the cross entropy on given hidden states `[toke
 Under cp 2 each of 2 gloo ranks holds half the tokens (figures per rank, rank 0).
 Per configuration: bytes saved for backward (saved-tensor hooks, distinct storages, the
 weight excluded) and the peak of resident memory during one step above the set-up (each
-variant in fresh processes: ru_maxrss, so it includes allocator slack), then the step time,
-the three variants alternating in one world (median of paired ratios). Writes
-`benchmarks/results/loss_memory.md`.
+variant in fresh processes: ru_maxrss, so it includes allocator slack; on `--device cuda`
+`torch.cuda.max_memory_allocated` above the set-up), then the step time, the three variants
+alternating in one world (median of paired ratios; CUDA synchronised). `--device cuda` runs
+cp 1 only (one GPU). Writes `benchmarks/results/loss_memory.md`.
 """
 
 from __future__ import annotations
@@ -36,13 +39,26 @@ TILED = ("recompute", "hold")  # the tiled loss's modes (`tiled_head.LOSS_MODES`
 VARIANTS = (*TILED, "transformers")
 
 
-def _setup(rank: int, world: int, tokens: int, hidden: int, vocab: int):
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _setup(rank: int, world: int, tokens: int, hidden: int, vocab: int, device: str = "cpu", dtype: str = "fp32"):
     generator = torch.Generator().manual_seed(rank)
     local = tokens // world
-    x = torch.randn(local, hidden, generator=generator)
-    weight = torch.nn.Parameter(torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0)) / hidden**0.5)
-    labels = torch.randint(0, vocab, (local,), generator=generator)
+    x = torch.randn(local, hidden, generator=generator).to(device, DTYPES[dtype])
+    weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0)) / hidden**0.5
+    weight = torch.nn.Parameter(weight.to(device, DTYPES[dtype]))
+    labels = torch.randint(0, vocab, (local,), generator=generator).to(device)
     return x, weight, labels
+
+
+def _allocated(device: str) -> int:
+    return torch.cuda.memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _loss(variant: str, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, world: int) -> torch.Tensor:
@@ -64,31 +80,38 @@ def _loss(variant: str, x: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     return ForCausalLMLoss(logits, None, weight.shape[0], shift_labels=labels[None])
 
 
-def _memory_worker(rank: int, world: int, variant: str, tokens: int, hidden: int, vocab: int, path: str) -> None:
+def _memory_worker(rank: int, world: int, variant: str, tokens: int, hidden: int, vocab: int, path: str,
+                   device: str = "cpu", dtype: str = "fp32") -> None:
     from qwen35_accel.testing.saved_tensors import saved_storage_bytes
 
-    x, weight, labels = _setup(rank, world, tokens, hidden, vocab)
+    x, weight, labels = _setup(rank, world, tokens, hidden, vocab, device, dtype)
     x.requires_grad_()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    before = _allocated(device)
     loss, saved = saved_storage_bytes(lambda: _loss(variant, x, weight, labels, world), exclude=[weight])
     loss.backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    _sync(device)
+    peak = (torch.cuda.max_memory_allocated() if device == "cuda" else _allocated(device)) - before
     if rank == 0:
         with open(path, "w") as f:
             json.dump({"saved": saved, "peak": peak, "loss": loss.item()}, f)
 
 
-def _time_worker(rank: int, world: int, tokens: int, hidden: int, vocab: int, steps: int, path: str) -> None:
+def _time_worker(rank: int, world: int, tokens: int, hidden: int, vocab: int, steps: int, path: str,
+                 device: str = "cpu", dtype: str = "fp32") -> None:
     import torch.distributed as dist
 
-    x, weight, labels = _setup(rank, world, tokens, hidden, vocab)
+    x, weight, labels = _setup(rank, world, tokens, hidden, vocab, device, dtype)
     times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     for step in range(steps + 1):
         for variant in VARIANTS[step % 3 :] + VARIANTS[: step % 3]:  # each variant first in turn
             if world > 1:
                 dist.barrier()
+            _sync(device)
             started = time.perf_counter()
             _loss(variant, x.clone().requires_grad_(), weight, labels, world).backward()
+            _sync(device)
             weight.grad = None
             if step:  # the first is a warm-up
                 times[variant].append(time.perf_counter() - started)
@@ -104,10 +127,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     _report.add_arguments(parser)
     args = parser.parse_args()
     if args.smoke:
         args.vocab, args.hidden, args.tokens, args.cp, args.steps = 4096, [64], [256], [1, 2], 1
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("loss_memory.py --device cuda: no CUDA device here")
+        args.cp = [1]  # one GPU
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from qwen35_accel.parallel.tiled_head import token_tile_size
     from qwen35_accel.testing.local_world import run_local_world
@@ -122,11 +151,13 @@ def main() -> None:
                     found = {}
                     for variant in VARIANTS:
                         path = os.path.join(tmp, f"{variant}.json")
-                        run_local_world(_memory_worker, cp, variant, tokens, hidden, args.vocab, path, threads_per_rank=threads)
+                        run_local_world(_memory_worker, cp, variant, tokens, hidden, args.vocab, path, args.device, args.dtype,
+                                        threads_per_rank=threads)
                         with open(path) as f:
                             found[variant] = json.load(f)
                     path = os.path.join(tmp, "times.json")
-                    run_local_world(_time_worker, cp, tokens, hidden, args.vocab, args.steps, path, threads_per_rank=threads)
+                    run_local_world(_time_worker, cp, tokens, hidden, args.vocab, args.steps, path, args.device, args.dtype,
+                                    threads_per_rank=threads)
                     with open(path) as f:
                         times = json.load(f)
                     r = found["transformers"]
@@ -141,11 +172,12 @@ def main() -> None:
                     steps_rows.append(f"| {hidden}, {tokens}, cp {cp} | " + " | ".join(
                         ", ".join(f"{t * 1e3:.0f}" for t in times[v]) for v in ("transformers", *TILED)) + " |")
     table = "\n".join([
-        f"Loss path (lm_head + cross entropy, forward + backward, fp32) at vocab {args.vocab}; tiles of "
+        f"Loss path (lm_head + cross entropy, forward + backward, {args.dtype}, {args.device}) at vocab {args.vocab}; tiles of "
         f"{token_tile_size(args.vocab)} tokens; per rank (rank 0); {args.steps} timed steps per variant, alternating; "
         f"{threads} threads per rank. In brackets: how many times less than Transformers' loss saves.\n",
         "| hidden | tokens | cp | saved for backward, Transformers (MiB) | saved, recompute (MiB) | saved, hold (MiB) | "
-        "peak RSS above set-up, Transformers (MiB) | peak, recompute (MiB) | peak, hold (MiB) | "
+        f"peak {'allocated' if args.device == 'cuda' else 'RSS'} above set-up, Transformers (MiB) | peak, recompute (MiB) | "
+        "peak, hold (MiB) | "
         "step, Transformers (ms, median) | step, recompute (ms, median) | step, hold (ms, median) | "
         "time ratio recompute / Transformers (median of pairs) | time ratio hold / Transformers | "
         "loss relative difference (largest) |",

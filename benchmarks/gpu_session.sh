@@ -11,7 +11,7 @@
 # transformers 5.24.0, fla-core / flash-linear-attention 0.5.2 (pure Python, Triton kernels
 # compiled on first use) and regex (Transformers 5.24 checks its version at import).
 # causal-conv1d publishes no wheels and compiles for minutes, so the conv kernels stay
-# unmeasured. Results go to $OUT (cuda_check.json, gpu_step.md, loss_memory.md, the logs); copy them into
+# unmeasured. Results go to $OUT (cuda_check.json, gpu_step.md, loss_memory_cuda_bf16.md, the logs); copy them into
 # benchmarks/results/ and quote them in docs/measurements.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,7 @@ transformers.__version__, 'fla', getattr(fla, '__version__', '?'), 'qwen35_accel
     # 3. The loss path in bf16: tiled (recompute, hold) vs Transformers' loss, time and memory.
     timeout 100 python3 benchmarks/loss_memory.py --device cuda --dtype bf16 --hidden 4096 --tokens 8192 32768 \
         --steps 3 --results-dir "$OUT" > "$OUT/loss_memory.log" 2>&1 || echo "loss_memory exited $?"
-    grep '^|' "$OUT/loss_memory.log" | head -4 || tail -c 2000 "$OUT/loss_memory.log"
+    grep '^|' "$OUT/loss_memory.log" | head -12 || tail -c 2000 "$OUT/loss_memory.log"
     timeout 150 python3 benchmarks/gpu_step.py --models 9B --seqs 32768 --steps 3 --warmup 1 --budget 60 \
         --timeout 120 --results-dir "$OUT" >> "$OUT/gpu_step.log" 2>&1 || echo "gpu_step (9B) exited $?"
     grep '^|' "$OUT/gpu_step.log" || tail -c 3000 "$OUT/gpu_step.log"

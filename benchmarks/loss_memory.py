@@ -14,11 +14,13 @@ under a bf16 policy: bf16 logits, Transformers' loss then upcasts them), every t
   over the cp group under cp 2, as the parallelizer installs it).
 Under cp 2 each of 2 gloo ranks holds half the tokens (figures per rank, rank 0).
 Per configuration: bytes saved for backward (saved-tensor hooks, distinct storages, the
-weight excluded) and the peak of resident memory during one step above the set-up (each
-variant in fresh processes: ru_maxrss, so it includes allocator slack; on `--device cuda`
-`torch.cuda.max_memory_allocated` above the set-up), then the step time, the three variants
+weight excluded) and the peak memory of one step above the set-up (each variant in fresh
+processes; on CPU every tensor's storage from allocation to release, torch's `MemTracker`;
+on `--device cuda` `torch.cuda.max_memory_allocated`), with the inputs' gradients (alive at
+every variant's end) and the peak beyond them shown apart; then the step time, the three variants
 alternating in one world (median of paired ratios; CUDA synchronised). `--device cuda` runs
-cp 1 only (one GPU). Writes `benchmarks/results/loss_memory.md`.
+cp 1 only (one GPU). Writes `benchmarks/results/loss_memory.md` (fp32 on CPU) or
+`loss_memory_<device>_<dtype>.md`.
 """
 
 from __future__ import annotations
@@ -86,16 +88,31 @@ def _memory_worker(rank: int, world: int, variant: str, tokens: int, hidden: int
 
     x, weight, labels = _setup(rank, world, tokens, hidden, vocab, device, dtype)
     x.requires_grad_()
+
+    def step() -> tuple[torch.Tensor, int]:
+        loss, saved = saved_storage_bytes(lambda: _loss(variant, x, weight, labels, world), exclude=[weight])
+        loss.backward()
+        _sync(device)
+        return loss, saved
+
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    before = _allocated(device)
-    loss, saved = saved_storage_bytes(lambda: _loss(variant, x, weight, labels, world), exclude=[weight])
-    loss.backward()
-    _sync(device)
-    peak = (torch.cuda.max_memory_allocated() if device == "cuda" else _allocated(device)) - before
+        before = torch.cuda.memory_allocated()
+        loss, saved = step()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:  # every tensor's storage from allocation to release (a dispatch mode), not the process's RSS
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(x, weight)
+        with tracker:
+            before = tracker.get_tracker_snapshot("current")[x.device]["Total"]
+            loss, saved = step()
+            peak = tracker.get_tracker_snapshot("peak")[x.device]["Total"] - before
+    grads = sum(t.grad.untyped_storage().nbytes() for t in (x, weight))
     if rank == 0:
         with open(path, "w") as f:
-            json.dump({"saved": saved, "peak": peak, "loss": loss.item()}, f)
+            json.dump({"saved": saved, "peak": peak, "grads": grads, "loss": loss.item()}, f)
 
 
 def _time_worker(rank: int, world: int, tokens: int, hidden: int, vocab: int, steps: int, path: str,
@@ -161,27 +178,34 @@ def main() -> None:
                     with open(path) as f:
                         times = json.load(f)
                     r = found["transformers"]
-                    cells = [f"{r['saved'] / 2**20:.1f}"]
-                    cells += [f"{found[v]['saved'] / 2**20:.1f} ({r['saved'] / found[v]['saved']:.0f}×)" for v in TILED]
-                    cells += [f"{r['peak'] / 2**20:.0f}", *(f"{found[v]['peak'] / 2**20:.0f}" for v in TILED)]
-                    cells += [f"{statistics.median(times[v]) * 1e3:.0f}" for v in ("transformers", *TILED)]
-                    cells += [f"{statistics.median(a / b for a, b in zip(times[v], times['transformers'])):.2f}" for v in TILED]
-                    cells.append(f"{max(abs(found[v]['loss'] - r['loss']) for v in TILED) / abs(r['loss']):.1e}")
-                    rows.append(f"| {hidden} | {tokens} | {cp} | " + " | ".join(cells) + " |")
-                    print(rows[-1], flush=True)
+                    r_beyond = r["peak"] - r["grads"]
+                    for v in ("transformers", *TILED):
+                        f, beyond = found[v], found[v]["peak"] - found[v]["grads"]
+                        ratio = "" if v == "transformers" else (
+                            f"{statistics.median(a / b for a, b in zip(times[v], times['transformers'])):.2f}")
+                        cells = [
+                            v, f"{f['saved'] / 2**20:.1f}", "" if v == "transformers" else f"{r['saved'] / f['saved']:.0f}×",
+                            f"{f['peak'] / 2**20:.0f}", f"{f['grads'] / 2**20:.0f}", f"{beyond / 2**20:.1f}",
+                            "" if v == "transformers" else f"{r_beyond / beyond:.0f}×",
+                            f"{statistics.median(times[v]) * 1e3:.0f}", ratio,
+                            "" if v == "transformers" else f"{abs(f['loss'] - r['loss']) / abs(r['loss']):.1e}",
+                        ]
+                        rows.append(f"| {hidden} | {tokens} | {cp} | " + " | ".join(cells) + " |")
+                        print(rows[-1], flush=True)
                     steps_rows.append(f"| {hidden}, {tokens}, cp {cp} | " + " | ".join(
                         ", ".join(f"{t * 1e3:.0f}" for t in times[v]) for v in ("transformers", *TILED)) + " |")
+    peak_kind = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "every tensor's bytes, MemTracker"
     table = "\n".join([
         f"Loss path (lm_head + cross entropy, forward + backward, {args.dtype}, {args.device}) at vocab {args.vocab}; tiles of "
         f"{token_tile_size(args.vocab)} tokens; per rank (rank 0); {args.steps} timed steps per variant, alternating; "
-        f"{threads} threads per rank. In brackets: how many times less than Transformers' loss saves.\n",
-        "| hidden | tokens | cp | saved for backward, Transformers (MiB) | saved, recompute (MiB) | saved, hold (MiB) | "
-        f"peak {'allocated' if args.device == 'cuda' else 'RSS'} above set-up, Transformers (MiB) | peak, recompute (MiB) | "
-        "peak, hold (MiB) | "
-        "step, Transformers (ms, median) | step, recompute (ms, median) | step, hold (ms, median) | "
-        "time ratio recompute / Transformers (median of pairs) | time ratio hold / Transformers | "
-        "loss relative difference (largest) |",
-        "|" + "---|" * 15,
+        f"{threads} threads per rank. Saved for backward: saved-tensor hooks, the weight excluded. Peak: above the "
+        f"set-up ({peak_kind}); the inputs' gradients (hidden states and weight) are what every variant hands back and "
+        "are alive at its end; beyond them: the loss path's own working memory. × less: Transformers' figure over the "
+        "variant's.\n",
+        "| hidden | tokens | cp | variant | saved for backward (MiB) | × less saved | peak (MiB) | of it, the inputs' "
+        "gradients (MiB) | peak beyond the gradients (MiB) | × less beyond | step (ms, median) | time vs Transformers "
+        "(median of pairs) | loss relative difference |",
+        "|" + "---|" * 13,
         *rows,
         "\nEvery timed step (ms), in order; in step s the variants ran in the order recompute, hold, "
         "Transformers rotated by s (each first in turn):\n",
@@ -190,7 +214,8 @@ def main() -> None:
         *steps_rows,
     ])
     print(table)
-    run.write(_report.results_dir(args), "loss_memory.md", "The loss path at Qwen3.5's vocabulary: tiled (recompute, hold) vs Transformers", table)
+    name = "loss_memory.md" if (args.device, args.dtype) == ("cpu", "fp32") else f"loss_memory_{args.device}_{args.dtype}.md"
+    run.write(_report.results_dir(args), name, "The loss path at Qwen3.5's vocabulary: tiled (recompute, hold) vs Transformers", table)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def main() -> None:
     ]
     details = []
     for name, shape in _shapes(args.smoke).items():
-        for tiled, label in (("recompute", "tiled, recompute"), ("hold", "tiled, hold"), ("off", "Transformers'")):
+        for tiled, label in (("hold", "tiled, hold (default)"), ("recompute", "tiled, recompute"), ("off", "Transformers'")):
             options = StepOptions(seq_len=STEP, activation_checkpointing=True, tiled_loss=tiled)
             longest = {}
             for cp in cps:

@@ -11,13 +11,16 @@ the step's options (`StepOptions`); nothing is built or run. Per rank:
 - activations: what the decoder keeps for backward, per layer kind (GatedDeltaNet, gated
   attention, MLP, norms and residuals), or only each layer's input under activation
   checkpointing; local tokens are batch × seq_len / cp, heads and the MLP width / tp;
-- loss: what the lm_head and the cross entropy keep (tiled: the gradients computed in
-  forward, of the hidden states [tokens, hidden] and of the lm_head weight [vocab / tp,
-  hidden], in the compute dtype; Transformers' loss: an fp32 [tokens, vocab] log-softmax);
-- transient: the peak of what lives only for a moment: the FSDP2 units gathered at the
+- loss: what the lm_head and the cross entropy keep (tiled "recompute": the hidden states
+  and one fp32 per token; "hold": the gradients computed in forward, of the hidden states
+  [tokens, hidden] and of the lm_head weight [vocab / tp, hidden], in the compute dtype;
+  Transformers' loss: an fp32 [tokens, vocab] log-softmax);
+- transient: what the step's peak adds to the above: the FSDP2 units gathered at the
   prefetch depths (with one unit's unsharded gradient in backward), and the largest of the
-  loss's working logits, CP's gathered K/V (and its gradient) in an attention layer, and
-  a layer recomputed under checkpointing;
+  loss's working bytes (`loss_transient`: one tile and the fp32 gradient accumulators, or
+  Transformers' two fp32 [tokens, vocab] gradients) with the tail's gradient, and, less
+  the loss's bytes (freed by then), CP's gathered K/V (and its gradient) in an attention
+  layer and a layer recomputed under checkpointing;
 - a VLM's vision tower (`VisionTower`, `vision_estimate`, added by `step_estimate`): its
   parameters as FSDP2 holds them (trainable or frozen, per `frozen_multimodal_sharding`),
   gradients and optimizer state when trainable, and what its blocks keep for a given number
@@ -25,7 +28,8 @@ the step's options (`StepOptions`); nothing is built or run. Per rank:
 
 The activation and loss formulas were written from what saved-tensor hooks record on the
 unmodified Transformers model and on this package's CP/TP layers (`tests/test_memory_model.py`
-checks them within ±10 % on CPU). The GatedDeltaNet core and the causal conv depend on the
+checks them within ±10 % on CPU); the loss path's peak (`loss_saved + loss_transient`, each
+mode, fp32 and bf16) from every tensor's lifetime (torch's MemTracker), within ±4 % on CPU. The GatedDeltaNet core and the causal conv depend on the
 kernels: without FLA (and always on CPU) torch's reference chunked rule (fp32 inside,
 per-chunk [64, 64] matrices kept) and Transformers' torch conv; with FLA on CUDA, FLA's
 `chunk_gated_delta_rule` and causal-conv1d, from what their autograd functions save (not
@@ -45,7 +49,6 @@ OPTIMIZERS = ("adamw", "sgd", "none")
 _OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}
 CHUNK = 64  # the chunk length of the chunked gated delta rule (Transformers' and FLA's)
 DEFAULT_LOSS_TILE_BYTES = 2**28  # fp32 logits per loss tile: at most 256 MiB (tiled_head.TILE_BYTES)
-DEFAULT_LOSS_TILES_ALIVE = 3  # tiles of fp32 logits alive at once (logits, softmax, gradient)
 
 
 @dataclass(frozen=True)
@@ -157,8 +160,8 @@ class StepOptions:
     `param_bytes`: the storage dtype's size (4 under a bf16/fp16 policy: fp32 masters);
     `device`: where the step runs; `fla`: on "cuda", whether FLA and causal-conv1d are
     installed (the GatedDeltaNet kernels; without them Transformers' torch kernels run);
-    `tiled_loss`: "recompute", "hold" or "off" (Transformers' loss), as the setting of that
-    name (True is "recompute", False "off")."""
+    `tiled_loss`: "hold", "recompute" or "off" (Transformers' loss), as the setting of that
+    name (True is "hold", False "off")."""
 
     seq_len: int
     batch_size: int = 1
@@ -166,9 +169,8 @@ class StepOptions:
     param_bytes: int = 4
     optimizer: str = "adamw"
     activation_checkpointing: bool = False
-    tiled_loss: bool | str = "recompute"
+    tiled_loss: bool | str = "hold"
     loss_tile_bytes: int = DEFAULT_LOSS_TILE_BYTES
-    loss_tiles_alive: int = DEFAULT_LOSS_TILES_ALIVE
     forward_prefetch_depth: int = 1
     backward_prefetch_depth: int = 2
     device: Device = "cuda"
@@ -178,7 +180,7 @@ class StepOptions:
         from .parallel.tiled_head import LOSS_MODES
 
         if isinstance(self.tiled_loss, bool):
-            object.__setattr__(self, "tiled_loss", "recompute" if self.tiled_loss else "off")
+            object.__setattr__(self, "tiled_loss", "hold" if self.tiled_loss else "off")
         if self.tiled_loss not in ("off", *LOSS_MODES):
             raise ValueError(f"tiled_loss {self.tiled_loss!r} is not one of off, {', '.join(LOSS_MODES)}; pass one of them")
         if self.optimizer not in OPTIMIZERS:
@@ -379,14 +381,29 @@ def loss_saved(shape: ModelShape, parallel: Parallel, options: StepOptions) -> i
     return hidden + tokens * _vocab_local(shape, parallel) * 4 + (tokens + options.batch_size) * 8
 
 
-def _loss_transient(shape: ModelShape, parallel: Parallel, options: StepOptions) -> int:
+def loss_transient(shape: ModelShape, parallel: Parallel, options: StepOptions) -> int:
+    """Bytes the lm_head and the cross entropy use on a rank beyond `loss_saved` at their
+    peak, the gradients they hand back included (FSDP2's copies of the tail's gradient not).
+
+    Tiled, at the end of the last tile (forward with "hold", backward with "recompute"): the
+    fp32 accumulators of the gradients of the hidden states and of this rank's lm_head rows,
+    one tile's fp32 logits, and under a 16-bit compute dtype the tile's copy in it (the GEMMs'
+    operand) and the gradients in it as handed back ("hold" holds those: `loss_saved`; in
+    fp32 its accumulators are what it holds). Transformers' loss, in backward beside its
+    saved fp32 log-softmax: two fp32 `[tokens, vocab]` gradients (the NLL's and the
+    log-softmax's), more than forward's logits with their fp32 copy.
+    """
     tokens = options.batch_size * options.seq_len // parallel.cp
     vocab = _vocab_local(shape, parallel)
-    if options.tiled_loss != "off":  # the tiles, and the fp32 accumulators of both gradients (forward or backward)
-        tile = min(tokens, loss_tile_tokens(vocab, options.loss_tile_bytes))
-        return options.loss_tiles_alive * tile * vocab * 4 + (vocab + tokens) * shape.hidden * 4
-    # the logits in the compute dtype with their fp32 copy (forward), or their fp32 gradient
-    return tokens * vocab * (options.compute_bytes + 4)
+    c = options.compute_bytes
+    if options.tiled_loss == "off":
+        return tokens * vocab * 8
+    copies = 0 if c == 4 else c
+    tile = min(tokens, loss_tile_tokens(vocab, options.loss_tile_bytes))
+    gradients = (vocab + tokens) * shape.hidden
+    if options.tiled_loss == "hold":
+        return tile * vocab * (4 + copies) + gradients * (4 if copies else 0)
+    return tile * vocab * (4 + copies) + gradients * (4 + copies)
 
 
 def _sharded(count: int, parallel: Parallel) -> int:
@@ -426,20 +443,28 @@ def estimate(shape: ModelShape, parallel: Parallel, options: StepOptions) -> Mem
         (1 + options.forward_prefetch_depth) * largest_layer * c,
         (1 + options.backward_prefetch_depth) * largest_layer * c + largest_layer * (c + 4),
     ) + tail * c
-    peaks = [_loss_transient(shape, parallel, options) + tail * (c + 4)]
+    # The tail's gradient: Transformers' loss makes it in c; the tiled loss's working bytes
+    # include it (or hold it); FSDP2 then copies it to fp32 for the reduce-scatter.
+    tail_gradient = tail * (4 if options.tiled_loss != "off" else c + 4)
+    # The loss's bytes live from the end of forward to the loss's backward; the other peaks
+    # (a layer recomputed in backward, CP's K/V) come while they do not, so those peaks
+    # count only what exceeds them.
+    loss = loss_saved(shape, parallel, options)
+    others = []
     if options.activation_checkpointing:
-        peaks += [layer_activations(shape, kind, parallel, options) for kind, n in
-                  (("linear_attention", shape.linear_layers), ("full_attention", shape.full_layers)) if n]
+        others += [layer_activations(shape, kind, parallel, options) for kind, n in
+                   (("linear_attention", shape.linear_layers), ("full_attention", shape.full_layers)) if n]
     if parallel.cp > 1 and shape.full_layers:
         tokens = options.batch_size * options.seq_len
-        peaks.append(2 * 2 * tokens * shape.kv_heads // parallel.tp * shape.head_dim * c)  # K/V and their gradient
+        others.append(2 * 2 * tokens * shape.kv_heads // parallel.tp * shape.head_dim * c)  # K/V and their gradient
+    at_loss = loss_transient(shape, parallel, options) + tail_gradient
     return MemoryEstimate(
         parameters=params * p,
         gradients=params * p,
         optimizer_states=params * p * _OPTIMIZER_STATES[options.optimizer],
         activations=activations(shape, parallel, options),
-        loss=loss_saved(shape, parallel, options),
-        transient=gathered + max(peaks),
+        loss=loss,
+        transient=gathered + max([at_loss] + [peak - loss for peak in others]),
     )
 
 

@@ -190,6 +190,53 @@ def test_predicted_bytes_match_the_unmodified_model_at_another_shape(dtype):
         assert abs(getattr(want, part) / got[part] - 1) <= TOLERANCE, (part, getattr(want, part), got[part])
 
 
+def _measured_loss_peak(mode: str, dtype: torch.dtype, tokens: int, hidden: int, vocab: int, tile: int) -> int:
+    """Peak bytes of one lm_head + cross entropy step (forward, backward) above what existed
+    before it: every tensor's storage from allocation to release (torch's MemTracker). The
+    hidden states are made inside, as the decoder's output would be."""
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from qwen35_accel.parallel.tiled_head import linear_cross_entropy_sum
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    tracker = MemTracker()
+    tracker.track_external(base, weight, targets)
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")[base.device]["Total"]
+        hidden_states = base * 1.0
+        if mode == "off":  # Transformers' loss: whole logits, upcast
+            loss = F.cross_entropy(F.linear(hidden_states, weight).float(), targets, reduction="sum")
+        else:
+            loss = linear_cross_entropy_sum(hidden_states, weight, None, targets, tile=tile, mode=mode)
+        del hidden_states
+        (0.5 * loss).backward()
+        return tracker.get_tracker_snapshot("peak")[base.device]["Total"] - before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["off", "recompute", "hold"])
+def test_predicted_loss_peak_matches_measured_within_10_percent(mode, dtype):
+    """`loss_saved + loss_transient` (what the loss keeps plus its working bytes and the
+    gradients it hands back) against the measured peak of the loss path, in fp32 and bf16:
+    8 tiles of 64 tokens at vocab 8192 (the tile's logits as large as the weight's gradient,
+    so both terms are tested)."""
+    from qwen35_accel.memory_model import loss_saved, loss_transient
+
+    tokens, hidden, vocab, tile = 512, 64, 8192, 64
+    from qwen35_accel.testing.tiny import tiny_text_config
+
+    shape = ModelShape.from_config(tiny_text_config(**{**SHAPE, "hidden_size": hidden, "vocab_size": vocab}))
+    options = StepOptions(seq_len=tokens, compute_bytes=dtype.itemsize, param_bytes=dtype.itemsize, device="cpu",
+                          tiled_loss=mode, loss_tile_bytes=tile * vocab * 4)
+    predicted = loss_saved(shape, Parallel(), options) + loss_transient(shape, Parallel(), options)
+    measured = _measured_loss_peak(mode, dtype, tokens, hidden, vocab, tile)
+    assert abs(predicted / measured - 1) <= TOLERANCE, f"{mode} {dtype}: predicted {predicted}, measured {measured}"
+
+
 def _27b_like() -> ModelShape:
     """The 27B-like shape of tests/test_cli.py (3 GatedDeltaNet layers per attention layer)."""
     return ModelShape(hidden=5120, intermediate=17408, vocab=248320, linear_layers=48, full_layers=16, heads=24,

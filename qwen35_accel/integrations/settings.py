@@ -47,12 +47,13 @@ class PluginSettings:
         "rank's vocab slice of the logits; needs untied embeddings)",
     )
     tiled_loss: str = _knob(
-        "recompute",
+        "hold",
         "training forwards with labels compute the lm_head and the loss in tiles of tokens, never holding "
-        "[tokens, vocab] (the returned logits are then None): recompute (or 1) keeps the hidden states and one "
-        "number per token and recomputes the tiles in backward; hold computes the gradients in forward (one GEMM "
-        "fewer per tile) and holds them, one of the lm_head weight's size; off (or 0): Transformers' loss from the "
-        "whole logits",
+        "[tokens, vocab] (the returned logits are then None): hold (or 1) computes the gradients in forward and "
+        "holds them until backward, one of the lm_head weight's size (the gradient every path makes first in "
+        "backward: a step's peak is the same); recompute keeps the hidden states and one number per token and "
+        "recomputes the tiles in backward (one GEMM more per tile; nothing weight-sized between forward and "
+        "backward); off (or 0): Transformers' loss from the whole logits",
     )
     cp_state_exchange: str = _knob(
         "auto",
@@ -125,10 +126,10 @@ _CHOICES = {
     "frozen_multimodal_sharding": ("root", "replicate", "shard"),
     "fp32_holder_units": ("per_layer", "model"),
     "cp_state_exchange": ("auto", "allgather", "scan"),
-    "tiled_loss": ("off", "recompute", "hold"),
+    "tiled_loss": ("off", "hold", "recompute"),
 }
 # Choice knobs that were booleans: their boolean spellings still work (true: the first choice after "off").
-_FORMERLY_BOOLEAN = {"tiled_loss": {True: "recompute", False: "off"}}
+_FORMERLY_BOOLEAN = {"tiled_loss": {True: "hold", False: "off"}}
 
 
 def _parse(env_name: str, field: dataclasses.Field, raw: str) -> object:

@@ -7,12 +7,13 @@ the lm_head and drop each tile once used:
   entropy, top-1, ...) with any upstream gradient; backward recomputes each tile. Saved for
   backward: the hidden states, the targets and two fp32 numbers per token. (TRL's fused head.)
 - `linear_cross_entropy_sum`: the summed cross entropy (the training loss), in one of two
-  modes (`LOSS_MODES`). "recompute": forward keeps each token's log-sum-exp and backward
-  recomputes each tile's logits (one GEMM per tile in forward, three in backward); saved for
-  backward: the hidden states, the targets and one fp32 number per token. "hold": the
-  gradients are computed tile by tile in forward and only scaled in backward (three GEMMs
-  per tile, as with whole logits); held for backward: the gradients of hidden states,
-  weight and bias (the lm_head weight's size, whatever the length).
+  modes (`LOSS_MODES`). "hold" (the default): the gradients are computed tile by tile in
+  forward and only scaled in backward (three GEMMs per tile, as with whole logits); held for
+  backward: the gradients of hidden states, weight and bias (the lm_head weight's size,
+  whatever the length; the gradients every path makes first in backward, so a step's peak
+  is the same). "recompute": forward keeps each token's log-sum-exp and backward recomputes
+  each tile's logits (one GEMM per tile in forward, three in backward); saved for backward:
+  the hidden states, the targets and one fp32 number per token.
 
 With a vocab-parallel lm_head (`group`: each rank holds rows `vocab_start : vocab_start + V/tp`
 of the weight) the per-token statistics are combined over the group (one max, one sum and,
@@ -110,17 +111,47 @@ def _zero_grads(
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
+# Under a low-precision compute dtype the weight's gradient is one GEMM per tile in that dtype
+# (as Transformers' backward computes it), added to the fp32 accumulator in slices of rows
+# whose product takes at most this many bytes.
+WEIGHT_GRAD_SLICE_BYTES = 2**26
+
 
 def _add_tile_grads(grads: Grads, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, start: int, end: int) -> None:
     """Add one tile's share to the fp32 accumulators `grads` (of hidden, weight, bias), from
-    `g` = d(output)/d(logits) [tile, V_local] fp32 of the rows `h[start:end]`."""
+    `g` = d(output)/d(logits) [tile, V_local] fp32 of the rows `h[start:end]`.
+
+    The GEMMs run in the compute dtype (`w`'s and `h`'s), with its fast kernels: `g` is cast
+    to it as Transformers casts the logits' gradient. An fp32 weight gradient accumulates in
+    place; in a 16-bit dtype each tile's product (fp32 accumulation inside the GEMM, rounded
+    once) is added to the fp32 accumulator, `WEIGHT_GRAD_SLICE_BYTES` of rows at a time."""
     grad_hidden, grad_weight, grad_bias = grads
+    g_c = g.to(w.dtype)
     if grad_hidden is not None:
-        grad_hidden[start:end] = torch.mm(g.to(w.dtype), w).float()
+        grad_hidden[start:end] = torch.mm(g_c, w).float()
     if grad_weight is not None:
-        grad_weight.addmm_(g.t(), h[start:end].float())
+        h_tile = h[start:end]
+        if w.dtype == torch.float32:
+            grad_weight.addmm_(g_c.t(), h_tile)
+        else:
+            rows = max(1, WEIGHT_GRAD_SLICE_BYTES // (h.shape[1] * h.element_size()))
+            for first in range(0, grad_weight.shape[0], rows):
+                grad_weight[first : first + rows] += torch.mm(g_c[:, first : first + rows].t(), h_tile)
     if grad_bias is not None:
         grad_bias += g.sum(dim=0)
+
+
+def _scale_(t: torch.Tensor, scale: torch.Tensor, slice_bytes: int = WEIGHT_GRAD_SLICE_BYTES) -> torch.Tensor:
+    """`t` times the fp32 scalar `scale`, in place and rounded once to `t`'s dtype; a 16-bit
+    `t` is scaled in fp32 slices of at most `slice_bytes`, so no second tensor of its size
+    exists."""
+    if t.dtype == torch.float32:
+        return t.mul_(scale)
+    flat = t.view(-1, t.shape[-1]) if t.dim() > 1 else t.view(1, -1)
+    rows = max(1, slice_bytes // (flat.shape[1] * 4))
+    for part in flat.split(rows):
+        part.copy_(part.float() * scale)
+    return t
 
 
 def _finish_grads(
@@ -305,7 +336,10 @@ def _cross_entropy_grad_(p: torch.Tensor, local_targets: torch.Tensor, mine: tor
     return p.scatter_add_(1, local_targets[:, None], -mine[:, None].to(p.dtype))
 
 
-LOSS_MODES: tuple[str, ...] = ("recompute", "hold")
+LOSS_MODES: tuple[str, ...] = ("hold", "recompute")
+# The default: at a step's peak both modes hold the same bytes (what "hold" keeps are the
+# gradients every path makes at the start of backward), and "hold" runs one GEMM fewer.
+DEFAULT_LOSS_MODE = "hold"
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
@@ -357,10 +391,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):  # type: ignore[override]
-        if ctx.hold:
+        if ctx.hold:  # the held gradients scaled in place: no second copy of the weight's size
             saved = iter(ctx.saved_tensors)
-            grads = tuple(next(saved) * grad_total.to(torch.float32) if present else None for present in ctx.present)
-            return (*(g if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), *(None,) * 5)
+            scale = grad_total.to(torch.float32)
+            grads = tuple(_scale_(next(saved), scale) if present else None for present in ctx.present)
+            return (*grads, *(None,) * 5)
         hidden, weight, bias, targets, log_z = ctx.saved_tensors
         h, w, b = _in_compute_dtype(hidden, weight, bias, ctx.dtype)
         local_targets, mine = _local_targets(targets, ctx.vocab_start, w.shape[0])
@@ -382,16 +417,17 @@ def linear_cross_entropy_sum(
     *,
     group: dist.ProcessGroup | None = None,
     tile: int | None = None,
-    mode: str = "recompute",
+    mode: str = DEFAULT_LOSS_MODE,
 ) -> torch.Tensor:
     """Σ over rows of the cross entropy of `hidden @ weight.T + bias` against `targets`
     (fp32 scalar), in tiles of `tile` tokens; nothing of size tokens × vocab is kept.
 
-    `mode` (`LOSS_MODES`): "recompute" saves for backward `hidden` and `targets` as given
-    and one fp32 log-sum-exp per row, and recomputes each tile's logits in backward (four
-    GEMMs per tile in all); "hold" computes the gradients during forward and holds them
-    until backward (`hidden`'s shape and the weight's and bias's, in their dtypes; three
-    GEMMs per tile). Shapes and the vocab-parallel contract as `linear_token_stats`
+    `mode` (`LOSS_MODES`): "hold" (the default) computes the gradients during forward and
+    holds them until backward (`hidden`'s shape and the weight's and bias's, in their dtypes;
+    three GEMMs per tile; backward scales them in place, so a second backward through the
+    same graph raises); "recompute" saves for backward `hidden` and `targets` as given and
+    one fp32 log-sum-exp per row, and recomputes each tile's logits in backward (four GEMMs
+    per tile in all). Shapes and the vocab-parallel contract as `linear_token_stats`
     (collective over `group`: two [tile] all-reduces per tile in forward, and one [N, H] in
     forward with "hold", in backward with "recompute"). For the training loss; use
     `linear_token_stats` when the per-token values are needed.

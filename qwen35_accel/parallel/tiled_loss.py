@@ -6,9 +6,10 @@ recording and `labels` are given (a training step), runs the backbone and comput
 with `linear_cross_entropy_sum` over the labelled positions only, tile by tile, and returns
 `logits=None`: nothing of size tokens × vocab is made whole or kept for backward
 (Transformers' path keeps the logits and an fp32 copy, ~1.45 MiB per token at vocab
-248,320). Its mode: "recompute" (the default) keeps the labelled hidden states and one fp32
-number per token and recomputes each tile's logits in backward; "hold" computes the
-gradients in forward (no GEMM repeated) and holds them, the lm_head weight's size among them.
+248,320). Its mode: "hold" (the default) computes the gradients in forward (no GEMM repeated)
+and holds them, the lm_head weight's size among them (the gradients Transformers' backward
+makes first, so a step's peak is the same); "recompute" keeps the labelled hidden states and
+one fp32 number per token and recomputes each tile's logits in backward.
 The loss is
 Transformers' (`num_items_in_batch`, `shift_labels`, -100 ignored), over the model's cp
 group and vocab-parallel lm_head when `PARALLELIZER.apply` installed them (`CausalLMLoss`'s
@@ -33,7 +34,7 @@ from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from .losses import CP_NEEDS_SHIFT_LABELS, IGNORE_INDEX, VOCAB_GROUP_ATTR, CausalLMLoss, reduce_token_loss
-from .tiled_head import LOSS_MODES, linear_cross_entropy_sum, lm_head_weights
+from .tiled_head import DEFAULT_LOSS_MODE, LOSS_MODES, linear_cross_entropy_sum, lm_head_weights
 
 TILED_LOSS_CHOICES: tuple[str, ...] = ("off", *LOSS_MODES)
 TILED_LOSS_ATTR = "_qwen35_tiled_loss"  # the mode; False on an installed model: Transformers' path again
@@ -52,13 +53,13 @@ def uses_tiled_loss(model: nn.Module) -> bool:
 
 
 def tiled_loss_mode(model: nn.Module) -> str:
-    """The tiled loss's mode on `model`: "recompute", "hold", or "off" (Transformers' loss)."""
+    """The tiled loss's mode on `model`: "hold", "recompute", or "off" (Transformers' loss)."""
     return getattr(model, TILED_LOSS_ATTR, False) or "off"
 
 
 def tiled_loss_choice(value: bool | str) -> str:
-    """`value` as one of `TILED_LOSS_CHOICES`: True is "recompute", False "off"."""
-    mode = ("recompute" if value else "off") if isinstance(value, bool) else value
+    """`value` as one of `TILED_LOSS_CHOICES`: True is the default mode ("hold"), False "off"."""
+    mode = (DEFAULT_LOSS_MODE if value else "off") if isinstance(value, bool) else value
     if mode not in TILED_LOSS_CHOICES:
         raise ValueError(f"tiled_loss={value!r}: expected one of {list(TILED_LOSS_CHOICES)} (or True/False)")
     return mode
@@ -136,9 +137,9 @@ def _tiled_class(cls: type) -> type:
     return tiled
 
 
-def install_tiled_loss(model: nn.Module, *, tile: int | None = None, mode: str = "recompute") -> bool:
+def install_tiled_loss(model: nn.Module, *, tile: int | None = None, mode: str = DEFAULT_LOSS_MODE) -> bool:
     """Give `model` (a `Qwen3_5ForCausalLM` or `Qwen3_5ForConditionalGeneration`, unsharded)
-    the tiled training loss in `mode` (`LOSS_MODES`: "recompute" or "hold", see
+    the tiled training loss in `mode` (`LOSS_MODES`: "hold" or "recompute", see
     `linear_cross_entropy_sum`), `tile` tokens per tile (default: `token_tile_size` of the
     lm_head's rows); returns False, changing nothing, for other classes. Idempotent."""
     if mode not in LOSS_MODES:

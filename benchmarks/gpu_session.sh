@@ -11,7 +11,7 @@
 # transformers 5.24.0, fla-core / flash-linear-attention 0.5.2 (pure Python, Triton kernels
 # compiled on first use) and regex (Transformers 5.24 checks its version at import).
 # causal-conv1d publishes no wheels and compiles for minutes, so the conv kernels stay
-# unmeasured. Results go to $OUT (cuda_check.json, gpu_step.md, loss_memory_cuda_bf16.md, the logs); copy them into
+# unmeasured. Results go to $OUT (cuda_check.json, gpu_step.md, loss_memory_cuda_bf16*.md, the logs); copy them into
 # benchmarks/results/ and quote them in docs/measurements.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,10 +39,14 @@ transformers.__version__, 'fla', getattr(fla, '__version__', '?'), 'qwen35_accel
     # 2. The step: 2B-shaped at 8k and 32k, then 9B-shaped at 32k while the budget lasts.
     timeout 330 python3 benchmarks/gpu_step.py --models 2B --seqs 8192 32768 --steps 3 --warmup 1 --budget 150 \
         --timeout 120 --results-dir "$OUT" > "$OUT/gpu_step.log" 2>&1 || echo "gpu_step (2B) exited $?"
-    # 3. The loss path in bf16: tiled (recompute, hold) vs Transformers' loss, time and memory.
-    timeout 100 python3 benchmarks/loss_memory.py --device cuda --dtype bf16 --hidden 4096 --tokens 8192 32768 \
+    # 3. The loss path in bf16: tiled (hold, recompute) vs Transformers' loss, time and memory, at
+    # the default tile (256 MiB of fp32 logits) and at 1 GiB: each tile adds its weight gradient
+    # to an fp32 accumulator, V x H x 12 bytes of memory traffic per tile, which a GPU may feel.
+    timeout 90 python3 benchmarks/loss_memory.py --device cuda --dtype bf16 --hidden 4096 --tokens 16384 \
         --steps 3 --results-dir "$OUT" > "$OUT/loss_memory.log" 2>&1 || echo "loss_memory exited $?"
-    grep '^|' "$OUT/loss_memory.log" | head -12 || tail -c 2000 "$OUT/loss_memory.log"
+    timeout 90 python3 benchmarks/loss_memory.py --device cuda --dtype bf16 --hidden 4096 --tokens 16384 \
+        --tile-bytes 1073741824 --steps 3 --results-dir "$OUT" >> "$OUT/loss_memory.log" 2>&1 || echo "loss_memory (1 GiB tiles) exited $?"
+    grep '^|' "$OUT/loss_memory.log" | head -16 || tail -c 2000 "$OUT/loss_memory.log"
     timeout 150 python3 benchmarks/gpu_step.py --models 9B --seqs 32768 --steps 3 --warmup 1 --budget 60 \
         --timeout 120 --results-dir "$OUT" >> "$OUT/gpu_step.log" 2>&1 || echo "gpu_step (9B) exited $?"
     grep '^|' "$OUT/gpu_step.log" || tail -c 3000 "$OUT/gpu_step.log"

@@ -1,7 +1,7 @@
 """The loss path at Qwen3.5's vocabulary: memory and time, the tiled loss's two modes vs Transformers' loss.
 
     python benchmarks/loss_memory.py [--vocab 248320] [--hidden 512 1024] [--tokens 2048] [--cp 1 2] [--steps 3]
-                                     [--device cpu|cuda] [--dtype fp32|bf16] [--smoke]
+                                     [--device cpu|cuda] [--dtype fp32|bf16] [--tile-bytes N] [--smoke]
 
 The loss path is the lm_head and the cross entropy on given hidden states `[tokens, hidden]`
 (what the decoder hands over): forward + backward, in `--dtype` (fp32 by default; bf16 as
@@ -20,7 +20,7 @@ on `--device cuda` `torch.cuda.max_memory_allocated`), with the inputs' gradient
 every variant's end) and the peak beyond them shown apart; then the step time, the three variants
 alternating in one world (median of paired ratios; CUDA synchronised). `--device cuda` runs
 cp 1 only (one GPU). Writes `benchmarks/results/loss_memory.md` (fp32 on CPU) or
-`loss_memory_<device>_<dtype>.md`.
+`loss_memory_<device>_<dtype>.md`; `--tile-bytes N` (another tile size) adds `_tile<MiB>MiB`.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _loss(variant: str, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, world: int) -> torch.Tensor:
+def _loss(variant: str, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, world: int,
+          tile: int | None = None) -> torch.Tensor:
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -72,7 +73,7 @@ def _loss(variant: str, x: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
 
     group = dist.group.WORLD if world > 1 else None
     if variant in TILED:
-        local_sum = linear_cross_entropy_sum(x, weight, None, labels, mode=variant)
+        local_sum = linear_cross_entropy_sum(x, weight, None, labels, mode=variant, tile=tile)
         return reduce_token_loss(local_sum, torch.tensor(labels.numel()), None, group)
     logits = F.linear(x, weight)[None]
     if group is not None:
@@ -83,14 +84,14 @@ def _loss(variant: str, x: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
 
 
 def _memory_worker(rank: int, world: int, variant: str, tokens: int, hidden: int, vocab: int, path: str,
-                   device: str = "cpu", dtype: str = "fp32") -> None:
+                   device: str = "cpu", dtype: str = "fp32", tile: int | None = None) -> None:
     from qwen35_accel.testing.saved_tensors import saved_storage_bytes
 
     x, weight, labels = _setup(rank, world, tokens, hidden, vocab, device, dtype)
     x.requires_grad_()
 
     def step() -> tuple[torch.Tensor, int]:
-        loss, saved = saved_storage_bytes(lambda: _loss(variant, x, weight, labels, world), exclude=[weight])
+        loss, saved = saved_storage_bytes(lambda: _loss(variant, x, weight, labels, world, tile), exclude=[weight])
         loss.backward()
         _sync(device)
         return loss, saved
@@ -116,7 +117,7 @@ def _memory_worker(rank: int, world: int, variant: str, tokens: int, hidden: int
 
 
 def _time_worker(rank: int, world: int, tokens: int, hidden: int, vocab: int, steps: int, path: str,
-                 device: str = "cpu", dtype: str = "fp32") -> None:
+                 device: str = "cpu", dtype: str = "fp32", tile: int | None = None) -> None:
     import torch.distributed as dist
 
     x, weight, labels = _setup(rank, world, tokens, hidden, vocab, device, dtype)
@@ -127,7 +128,7 @@ def _time_worker(rank: int, world: int, tokens: int, hidden: int, vocab: int, st
                 dist.barrier()
             _sync(device)
             started = time.perf_counter()
-            _loss(variant, x.clone().requires_grad_(), weight, labels, world).backward()
+            _loss(variant, x.clone().requires_grad_(), weight, labels, world, tile).backward()
             _sync(device)
             weight.grad = None
             if step:  # the first is a warm-up
@@ -146,6 +147,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--tile-bytes", type=int, default=None,
+                        help="fp32 bytes of one tile's logits (default: the library's, tiled_head.TILE_BYTES)")
     _report.add_arguments(parser)
     args = parser.parse_args()
     if args.smoke:
@@ -155,10 +158,11 @@ def main() -> None:
             raise SystemExit("loss_memory.py --device cuda: no CUDA device here")
         args.cp = [1]  # one GPU
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from qwen35_accel.parallel.tiled_head import token_tile_size
+    from qwen35_accel.parallel.tiled_head import TILE_BYTES, token_tile_size
     from qwen35_accel.testing.local_world import run_local_world
 
     threads = max(1, (os.cpu_count() or 1) // max(args.cp))
+    tile = token_tile_size(args.vocab, args.tile_bytes or TILE_BYTES)
     run = _report.Run()
     rows, steps_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -169,12 +173,12 @@ def main() -> None:
                     for variant in VARIANTS:
                         path = os.path.join(tmp, f"{variant}.json")
                         run_local_world(_memory_worker, cp, variant, tokens, hidden, args.vocab, path, args.device, args.dtype,
-                                        threads_per_rank=threads)
+                                        tile, threads_per_rank=threads)
                         with open(path) as f:
                             found[variant] = json.load(f)
                     path = os.path.join(tmp, "times.json")
                     run_local_world(_time_worker, cp, tokens, hidden, args.vocab, args.steps, path, args.device, args.dtype,
-                                    threads_per_rank=threads)
+                                    tile, threads_per_rank=threads)
                     with open(path) as f:
                         times = json.load(f)
                     r = found["transformers"]
@@ -197,7 +201,7 @@ def main() -> None:
     peak_kind = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "every tensor's bytes, MemTracker"
     table = "\n".join([
         f"Loss path (lm_head + cross entropy, forward + backward, {args.dtype}, {args.device}) at vocab {args.vocab}; tiles of "
-        f"{token_tile_size(args.vocab)} tokens; per rank (rank 0); {args.steps} timed steps per variant, alternating; "
+        f"{tile} tokens ({tile * args.vocab * 4 / 2**20:.0f} MiB of fp32 logits); per rank (rank 0); {args.steps} timed steps per variant, alternating; "
         f"{threads} threads per rank. Saved for backward: saved-tensor hooks, the weight excluded. Peak: above the "
         f"set-up ({peak_kind}); the inputs' gradients (hidden states and weight) are what every variant hands back and "
         "are alive at its end; beyond them: the loss path's own working memory. × less: Transformers' figure over the "
@@ -214,7 +218,8 @@ def main() -> None:
         *steps_rows,
     ])
     print(table)
-    name = "loss_memory.md" if (args.device, args.dtype) == ("cpu", "fp32") else f"loss_memory_{args.device}_{args.dtype}.md"
+    name = "loss_memory" + ("" if (args.device, args.dtype) == ("cpu", "fp32") else f"_{args.device}_{args.dtype}")
+    name += ("" if args.tile_bytes is None else f"_tile{args.tile_bytes // 2**20}MiB") + ".md"
     run.write(_report.results_dir(args), name, "The loss path at Qwen3.5's vocabulary: tiled (recompute, hold) vs Transformers", table)
 
 

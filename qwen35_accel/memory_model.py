@@ -29,11 +29,11 @@ the step's options (`StepOptions`); nothing is built or run. Per rank:
 The activation and loss formulas were written from what saved-tensor hooks record on the
 unmodified Transformers model and on this package's CP/TP layers (`tests/test_memory_model.py`
 checks them within ±10 % on CPU); the loss path's peak (`loss_saved + loss_transient`, each
-mode, fp32 and bf16) from every tensor's lifetime (torch's MemTracker), within ±4 % on CPU. The GatedDeltaNet core and the causal conv depend on the
-kernels: without FLA (and always on CPU) torch's reference chunked rule (fp32 inside,
-per-chunk [64, 64] matrices kept) and Transformers' torch conv; with FLA on CUDA, FLA's
-`chunk_gated_delta_rule` and causal-conv1d, from what their autograd functions save (not
-measured here: no GPU).
+mode, fp32 and bf16) from every tensor's lifetime (torch's MemTracker), within ±4 % on CPU.
+The GatedDeltaNet core and the causal conv depend on the kernels: without FLA (and always
+on CPU) torch's reference chunked rule (fp32 inside, per-chunk [64, 64] matrices kept) and
+Transformers' torch conv; with FLA on CUDA, FLA's `chunk_gated_delta_rule` and causal-conv1d,
+from what their autograd functions save (not measured here: no GPU).
 """
 
 from __future__ import annotations

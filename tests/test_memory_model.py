@@ -225,10 +225,9 @@ def test_predicted_loss_peak_matches_measured_within_10_percent(mode, dtype):
     8 tiles of 64 tokens at vocab 8192 (the tile's logits as large as the weight's gradient,
     so both terms are tested)."""
     from qwen35_accel.memory_model import loss_saved, loss_transient
-
-    tokens, hidden, vocab, tile = 512, 64, 8192, 64
     from qwen35_accel.testing.tiny import tiny_text_config
 
+    tokens, hidden, vocab, tile = 512, 64, 8192, 64
     shape = ModelShape.from_config(tiny_text_config(**{**SHAPE, "hidden_size": hidden, "vocab_size": vocab}))
     options = StepOptions(seq_len=tokens, compute_bytes=dtype.itemsize, param_bytes=dtype.itemsize, device="cpu",
                           tiled_loss=mode, loss_tile_bytes=tile * vocab * 4)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import tempfile
 import time
@@ -52,10 +51,6 @@ def _setup(rank: int, world: int, tokens: int, hidden: int, vocab: int, device: 
     weight = torch.nn.Parameter(weight.to(device, DTYPES[dtype]))
     labels = torch.randint(0, vocab, (local,), generator=generator).to(device)
     return x, weight, labels
-
-
-def _allocated(device: str) -> int:
-    return torch.cuda.memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _sync(device: str) -> None:
@@ -85,7 +80,7 @@ def _loss(variant: str, x: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
 
 def _memory_worker(rank: int, world: int, variant: str, tokens: int, hidden: int, vocab: int, path: str,
                    device: str = "cpu", dtype: str = "fp32", tile: int | None = None) -> None:
-    from qwen35_accel.testing.saved_tensors import saved_storage_bytes
+    from qwen35_accel.testing.saved_tensors import peak_bytes_above, saved_storage_bytes
 
     x, weight, labels = _setup(rank, world, tokens, hidden, vocab, device, dtype)
     x.requires_grad_()
@@ -101,15 +96,8 @@ def _memory_worker(rank: int, world: int, variant: str, tokens: int, hidden: int
         before = torch.cuda.memory_allocated()
         loss, saved = step()
         peak = torch.cuda.max_memory_allocated() - before
-    else:  # every tensor's storage from allocation to release (a dispatch mode), not the process's RSS
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
-        tracker.track_external(x, weight)
-        with tracker:
-            before = tracker.get_tracker_snapshot("current")[x.device]["Total"]
-            loss, saved = step()
-            peak = tracker.get_tracker_snapshot("peak")[x.device]["Total"] - before
+    else:
+        (loss, saved), peak = peak_bytes_above(step, [x, weight])
     grads = sum(t.grad.untyped_storage().nbytes() for t in (x, weight))
     if rank == 0:
         with open(path, "w") as f:

@@ -195,18 +195,16 @@ def _measured_loss_peak(mode: str, dtype: torch.dtype, tokens: int, hidden: int,
     before it: every tensor's storage from allocation to release (torch's MemTracker). The
     hidden states are made inside, as the decoder's output would be."""
     import torch.nn.functional as F
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     from qwen35_accel.parallel.tiled_head import linear_cross_entropy_sum
+    from qwen35_accel.testing.saved_tensors import peak_bytes_above
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_()
     weight = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).to(dtype).requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), generator=g)
-    tracker = MemTracker()
-    tracker.track_external(base, weight, targets)
-    with tracker:
-        before = tracker.get_tracker_snapshot("current")[base.device]["Total"]
+
+    def step() -> None:
         hidden_states = base * 1.0
         if mode == "off":  # Transformers' loss: whole logits, upcast
             loss = F.cross_entropy(F.linear(hidden_states, weight).float(), targets, reduction="sum")
@@ -214,7 +212,8 @@ def _measured_loss_peak(mode: str, dtype: torch.dtype, tokens: int, hidden: int,
             loss = linear_cross_entropy_sum(hidden_states, weight, None, targets, tile=tile, mode=mode)
         del hidden_states
         (0.5 * loss).backward()
-        return tracker.get_tracker_snapshot("peak")[base.device]["Total"] - before
+
+    return peak_bytes_above(step, [base, weight, targets])[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,4 +1,4 @@
-"""What autograd keeps for backward: bytes of the storages a computation's saved tensors hold."""
+"""What autograd keeps for backward, and the peak bytes a computation adds."""
 
 from __future__ import annotations
 
@@ -27,3 +27,20 @@ def saved_storage_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor] =
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = fn()
     return result, sum(storages.values())
+
+
+def peak_bytes_above(fn: Callable[[], Any], existing: Iterable[torch.Tensor] = ()) -> tuple[Any, int]:
+    """Run `fn` and return (its result, the peak bytes of tensors alive during it above those
+    alive when it started), on `existing`'s device (CPU if none): every tensor's storage from
+    allocation to release (torch's MemTracker, a dispatch mode), not the process's RSS.
+    `existing`: tensors made before `fn` that it uses (inputs, parameters)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    existing = list(existing)
+    device = existing[0].device if existing else torch.device("cpu")
+    tracker = MemTracker()
+    tracker.track_external(*existing)
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")[device]["Total"]
+        result = fn()
+        return result, tracker.get_tracker_snapshot("peak")[device]["Total"] - before

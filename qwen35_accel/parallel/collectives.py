@@ -11,8 +11,32 @@ reduce-scatter (`reduce_scatter_stack`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
+
+
+def flat_collective(module: Any, name: str, older_name: str) -> Callable[..., Any]:
+    """`module.name`, else `module.older_name`: torch 2.13 names the flat (concatenated)
+    collectives `reduce_scatter_single` / `all_gather_single` and deprecates
+    `reduce_scatter_tensor` / `all_gather_into_tensor` (a FutureWarning per call), which
+    are the only names torch 2.11 and 2.12 have."""
+    found = getattr(module, name, None)
+    return found if found is not None else getattr(module, older_name)
+
+
+# Resolved once: the flat forms every backend takes (input or output dim 0 = world × dim 0).
+_reduce_scatter_flat = flat_collective(dist, "reduce_scatter_single", "reduce_scatter_tensor")
+_all_gather_flat = flat_collective(dist, "all_gather_single", "all_gather_into_tensor")
+
+
+def _own_copy(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor that may be reduced in place: `x` is copied once (by
+    `contiguous()` when it is not contiguous, else by `clone()`)."""
+    y = x.contiguous()
+    return y.clone() if y is x else y
 
 
 class _ReduceFromGroup(torch.autograd.Function):
@@ -20,7 +44,7 @@ class _ReduceFromGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        x = x.contiguous().clone()
+        x = _own_copy(x)  # the caller's tensor stays untouched
         dist.all_reduce(x, group=group)
         return x
 
@@ -45,7 +69,7 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        grad = grad.contiguous().clone()
+        grad = _own_copy(grad)  # an incoming gradient may be shared
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -55,23 +79,26 @@ def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _CopyToGroup.apply(x, group)
 
 
-def reduce_scatter_stack(stack: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def reduce_scatter_stack(stack: torch.Tensor, group: dist.ProcessGroup, *, all_to_all: bool | None = None) -> torch.Tensor:
     """[world, *shape] on each rank -> [*shape]: the sum over ranks of their slot `rank`.
 
     Each rank sends the other ranks' slots once, (world − 1)/world of the stack: the bytes
-    of the all-gather it reverses. On gloo this is an all-to-all and a local sum in rank
-    order: torch 2.13's gloo `reduce_scatter_single` computes the right values but runs an
-    all-reduce of the whole stack (the profiler shows `gloo:all_reduce` of [world · n]),
-    twice the bytes.
+    of the all-gather it reverses. On gloo (`all_to_all=None` picks by backend) this is an
+    all-to-all and a local sum in rank order: torch 2.13's gloo `reduce_scatter_single`
+    computes the right values but runs an all-reduce of the whole stack (the profiler shows
+    `gloo:all_reduce` of [world · n]), twice the bytes. Elsewhere (NCCL) one flat
+    reduce-scatter, under the name this torch has (`flat_collective`).
     """
     stack = stack.contiguous()
-    if dist.get_backend(group) == "gloo":
+    if all_to_all is None:
+        all_to_all = dist.get_backend(group) == "gloo"
+    if all_to_all:
         received = torch.empty_like(stack)
         dist.all_to_all_single(received, stack, group=group)
         return received.sum(dim=0)
     out = stack.new_empty(stack.shape[1:])
     # The concatenated form (input dim 0 = world × output dim 0) is the one every backend takes.
-    dist.reduce_scatter_single(out, stack.flatten(0, 1), group=group)
+    _reduce_scatter_flat(out.view(-1), stack.view(-1), group=group)
     return out
 
 
@@ -82,7 +109,9 @@ class _AllGather(torch.autograd.Function):
         world = dist.get_world_size(group)
         tensor = tensor.contiguous()
         out = tensor.new_empty((world, *tensor.shape))
-        dist.all_gather(list(out.unbind(0)), tensor, group=group)
+        # Into the flat output (concatenated form, which gloo and NCCL both take): a list of
+        # slots would make NCCL gather into a buffer of its own and copy each slot back.
+        _all_gather_flat(out.view(-1), tensor.view(-1), group=group)
         return out
 
     @staticmethod

@@ -269,3 +269,38 @@ def test_packed_rows_under_context_parallelism_equal_the_documents_alone(dp, cp,
     from _dist import run_world
 
     run_world(_cp_packing_worker, dp * cp * tp, dp, cp, tp, rows, ac)
+
+
+def test_packed_attention_under_cp_keeps_memory_linear_in_tokens():
+    """The SDPA path of packed rows under CP (the one CUDA runs: no recompute checkpoint)
+    keeps for backward what grows with the tokens, not with their square: twice the row
+    (twice the documents of the same length) keeps at most ~2x the bytes; a [queries, keys]
+    document mask over a whole chunk grows with the chunk's square. Its output equals each document alone."""
+    import torch.nn.functional as F
+
+    from qwen35_accel.parallel.context_parallel.attention import _sdpa_documents
+    from qwen35_accel.parallel.context_parallel.documents import shard_documents
+    from qwen35_accel.parallel.context_parallel.layout import local_positions
+    from qwen35_accel.testing.saved_tensors import saved_storage_bytes
+
+    heads, kv_heads, dim, doc = 4, 2, 4, 8  # the old chunk-wide mask kept 2.64x here
+    saved = {}
+    for seq in (128, 256):
+        g = torch.Generator().manual_seed(seq)
+        q_full = torch.randn(1, heads, seq, dim, generator=g)
+        k_full, v_full = torch.randn(2, 1, kv_heads, seq, dim, generator=g).unbind(0)
+        starts = torch.zeros(1, seq, dtype=torch.bool)
+        starts[:, ::doc] = True
+        starts[:, 5] = True  # one short document, straddling nothing in particular
+        docs = shard_documents(starts, cp=2, rank=1)
+        q = q_full[:, :, local_positions(seq, 2, 1)].clone().requires_grad_()
+        k, v = k_full.clone().requires_grad_(), v_full.clone().requires_grad_()
+        out, saved[seq] = saved_storage_bytes(lambda: _sdpa_documents(q, k, v, docs.attention_pieces, 0.0, dim**-0.5))
+        # Oracle: each document alone, causal, then the rank's tokens picked out.
+        bounds = torch.nonzero(starts[0]).flatten().tolist() + [seq]
+        whole = torch.cat([
+            F.scaled_dot_product_attention(q_full[:, :, a:b], k_full[:, :, a:b], v_full[:, :, a:b], is_causal=True, enable_gqa=True)
+            for a, b in zip(bounds, bounds[1:])
+        ], dim=2)
+        torch.testing.assert_close(out, whole[:, :, local_positions(seq, 2, 1)], rtol=1e-5, atol=1e-6)
+    assert saved[256] <= 2.2 * saved[128], saved

@@ -2,7 +2,8 @@
 
 Every rank all-gathers the (GQA-sized, post-norm, post-rotary) keys and values of the
 cp group, restores sequence order, and attends each of its two query chunks causally by
-global position to the keys up to that chunk's end. Queries, the output gate and
+global position to the keys up to that chunk's end (packed rows: each document's piece of
+a chunk to its document's keys, so no [queries, keys] mask is built). Queries, the output gate and
 `o_proj` stay local. Positions travel with the tokens (rotary comes from the sharded
 global `position_ids`), so partial and multimodal RoPE need nothing extra.
 """
@@ -56,21 +57,69 @@ def _document_mask(query_index: torch.Tensor, doc_start: torch.Tensor, first_key
 
 
 def _sdpa_documents(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    query_index: torch.Tensor,
-    doc_start: torch.Tensor,
-    first_key: int,
+    query: torch.Tensor,
+    full_key: torch.Tensor,
+    full_value: torch.Tensor,
+    pieces: tuple[tuple[int, int, int, int, int], ...],
     dropout: float,
     scaling: float,
 ) -> torch.Tensor:
-    """SDPA of queries over keys `first_key` (= doc_start.min()) … end of `k`, each query
-    within its document (the mask is built here, so a checkpoint keeps only the indices)."""
-    mask = _document_mask(query_index, doc_start, first_key, first_key + k.shape[2])
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    """Packed rows: each piece of the local queries (one document's tokens within one chunk,
+    `ShardedDocuments.attention_pieces`) attends causally, aligned to the end, to its
+    document's keys up to its last query — exactly the document attended alone.
+
+    `query` [batch, heads, local_seq, dim], `full_key`/`full_value` [batch, kv_heads, seq,
+    dim] (the whole rows). Returns [batch, heads, local_seq, dim]. No [queries, keys] mask
+    exists: with a lower-right causal bias SDPA takes the flash kernel on CUDA (GQA
+    included), so memory grows with the tokens, not their square, however many documents.
+    """
+    outputs = [
+        _sdpa_causal_lower_right(
+            query[row : row + 1, :, first:end], full_key[row : row + 1, :, key_first:key_end],
+            full_value[row : row + 1, :, key_first:key_end], dropout, scaling,
+        )
+        for row, first, end, key_first, key_end in pieces
+    ]
+    batch, heads, local_seq, dim = query.shape
+    # Pieces come row after row, in token order: [1, heads, batch·local_seq, dim] -> per row.
+    return torch.cat(outputs, dim=2).view(heads, batch, local_seq, dim).transpose(0, 1)
+
+
+def _sdpa_chunks(
+    query: torch.Tensor, full_key: torch.Tensor, full_value: torch.Tensor, rank: int, cp: int, dropout: float, scaling: float
+) -> torch.Tensor:
+    """Each of this rank's two query chunks over the keys up to its end, causal and aligned
+    to the end. [batch, heads, local_seq, dim] in and out."""
+    chunk_len = query.shape[2] // 2
+    outputs = []
+    for slot, chunk_index in enumerate(rank_chunks(rank, cp)):
+        end = (chunk_index + 1) * chunk_len
+        q = query[:, :, slot * chunk_len : (slot + 1) * chunk_len]
+        outputs.append(_sdpa_causal_lower_right(q, full_key[:, :, :end], full_value[:, :, :end], dropout, scaling))
+    return torch.cat(outputs, dim=2)
+
+
+def _sdpa(
+    query: torch.Tensor,
+    full_key: torch.Tensor,
+    full_value: torch.Tensor,
+    rank: int,
+    cp: int,
+    documents: ShardedDocuments | None,
+    dropout: float,
+    scaling: float,
+) -> torch.Tensor:
+    """SDPA under CP, whole rows or packed: [batch, local_seq, heads, dim]."""
+    if documents is None:
+        attend, args = _sdpa_chunks, (query, full_key, full_value, rank, cp, dropout, scaling)
+    else:
+        attend, args = _sdpa_documents, (query, full_key, full_value, documents.attention_pieces, dropout, scaling)
+    if query.device.type == "cpu" and torch.is_grad_enabled() and dropout == 0.0:
+        # The CPU kernels materialise each [queries, keys] causal mask and keep the scores
+        # for backward; recomputing the attention in backward keeps only q, k, v. (CUDA's
+        # flash kernel keeps neither: no recompute there.)
+        return torch.utils.checkpoint.checkpoint(attend, *args, use_reentrant=False).transpose(1, 2)
+    return attend(*args).transpose(1, 2)
 
 
 def cp_attention(
@@ -105,37 +154,23 @@ def cp_attention(
     rank = dist.get_rank(group)
     gathered = all_gather_with_grad(torch.stack([key, value]), group)  # [cp, 2, batch, kv_heads, local_seq, dim]
     full_key, full_value = unshard_sequence(list(gathered.unbind(0)), cp, seq_dim=3).unbind(0)
+    if implementation == "sdpa":
+        return _sdpa(query, full_key, full_value, rank, cp, documents, dropout, scaling)
     chunk_len = query.shape[2] // 2
     outputs = []
+    interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(implementation, hf.eager_attention_forward)
     for slot, chunk_index in enumerate(rank_chunks(rank, cp)):
         end = (chunk_index + 1) * chunk_len
         part = slice(slot * chunk_len, (slot + 1) * chunk_len)
-        q = query[:, :, part]
         first_key = 0 if documents is None else documents.first_keys[slot]
         k, v = full_key[:, :, first_key:end], full_value[:, :, first_key:end]
-        if implementation == "sdpa":
-            if documents is None:
-                attend, args = _sdpa_causal_lower_right, (q, k, v, dropout, scaling)
-            else:
-                attend, args = _sdpa_documents, (
-                    q, k, v, documents.index[part], documents.doc_start[:, part], first_key, dropout, scaling
-                )
-            if q.device.type == "cpu" and torch.is_grad_enabled() and dropout == 0.0:
-                # The CPU kernels materialise the [chunk, keys] mask and keep it for backward
-                # until then; recomputing the attention in backward keeps only q, k, v.
-                out = torch.utils.checkpoint.checkpoint(attend, *args, use_reentrant=False)
-            else:
-                out = attend(*args)
-            outputs.append(out.transpose(1, 2))
+        if documents is None:
+            additive = _chunk_mask(chunk_len, chunk_index, query.dtype, query.device)
         else:
-            interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(implementation, hf.eager_attention_forward)
-            if documents is None:
-                additive = _chunk_mask(chunk_len, chunk_index, query.dtype, query.device)
-            else:
-                mask = _document_mask(documents.index[part], documents.doc_start[:, part], first_key, end)
-                additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, torch.finfo(query.dtype).min)
-            out, _ = interface(module, q, k, v, additive, dropout=dropout, scaling=scaling, **kwargs)
-            outputs.append(out)
+            mask = _document_mask(documents.index[part], documents.doc_start[:, part], first_key, end)
+            additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, torch.finfo(query.dtype).min)
+        out, _ = interface(module, query[:, :, part], k, v, additive, dropout=dropout, scaling=scaling, **kwargs)
+        outputs.append(out)
     return torch.cat(outputs, dim=1)
 
 

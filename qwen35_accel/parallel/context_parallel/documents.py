@@ -77,6 +77,21 @@ class ShardedDocuments:
         return flat.long().cumsum(0).view(cuts.shape) - 1, cu
 
 
+    @functools.cached_property
+    def attention_pieces(self) -> tuple[tuple[int, int, int, int, int], ...]:
+        """The `pieces` as attention needs them, on the host: per piece (row, first local
+        token, end local token, first key, end key), keys as indices in the whole row. A
+        piece's queries attend to keys [first key, end key) causally, aligned to the end:
+        its document's start up to its last query. One host sync per forward, shared by
+        every attention layer."""
+        _, cu = self.pieces
+        seq = self.doc_start.shape[1]
+        first = cu[:-1]
+        end = first % seq + (cu[1:] - first)  # a piece never crosses a row (each row's token 0 starts one)
+        table = torch.stack([first // seq, first % seq, end, self.doc_start.reshape(-1)[first], self.index[end - 1] + 1], dim=1)
+        return tuple(tuple(row) for row in table.tolist())
+
+
 def conv_seq_idx(offsets: torch.Tensor, halo: int) -> torch.Tensor:
     """causal-conv1d's `seq_idx` [batch, halo + n] int32 for a chunk's conv input `[halo | chunk]`.
 

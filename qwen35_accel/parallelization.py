@@ -42,6 +42,7 @@ from .parallel.tensor_parallel import (
     check_vocab_parallel,
 )
 from .parallel.tensor_parallel import check_divisible as check_tp_divisible
+from .parallel.tensor_parallel import check_no_cpu_offload
 from .parallel.vision import install_vision_placeholder, vision_tower_has_units
 
 # mesh_dim_names / mesh_dim_size / mesh_device: re-exported from parallel.mesh for existing callers.
@@ -132,6 +133,7 @@ class Qwen3_5ModelParallelizer:
         tiled_loss = tiled_loss_choice(tiled_loss)
         dims = ParallelDims(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, cp_mesh_name, tp_mesh_name)
         tp_size, cp_size = dims.tp_size, dims.cp_size
+        check_no_cpu_offload(offload_policy, tp_size)  # before any change, on every rank
         if tp_size > 1:
             check_tp_divisible(base.config.get_text_config(), tp_size)
             if vocab_parallel_lm_head:

@@ -175,9 +175,16 @@ def _bad_tp_worker(rank: int, world: int) -> None:
                            vocab_parallel_lm_head=True)
     with pytest.raises(ValueError, match=r"needs tp size 2 to divide the vocab size 95"):
         PARALLELIZER.apply(build_tiny_causal_lm(vocab_size=95), mesh_for(world, 1, 1, 2), vocab_parallel_lm_head=True)
+    # FSDP2's CPU offload: the TP norm, state dicts and loads would give NCCL CPU tensors.
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model = build_tiny_causal_lm()
+    with pytest.raises(NotImplementedError, match=r"FSDP2's CPU offload \(fsdp_offload_params: true, CPUOffloadPolicy\) with tensor parallelism \(tp size 2\)"):
+        PARALLELIZER.apply(model, mesh_for(world, 1, 1, 2), offload_policy=CPUOffloadPolicy())
+    assert "A_log" in model.model.layers[0].linear_attn._parameters  # refused before any change
 
 
-def test_tp_refuses_head_counts_it_cannot_split():
+def test_tp_refuses_head_counts_it_cannot_split_and_cpu_offload():
     run_world(_bad_tp_worker, 2)
 
 

@@ -138,6 +138,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
     from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict, get_non_persistent_buffers
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 
+    from ..parallel.tensor_parallel import check_no_cpu_offload
     from ..parallelization import PARALLELIZER, mesh_dim_size
 
     if isinstance(model, FSDPModule):
@@ -158,11 +159,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
         from .trl_fused_head import check_no_unwrapped_trl_head
 
         check_no_unwrapped_trl_head(unwrap_qwen35(model))
-    if ram_efficient and tensor_parallel and offload:
-        raise NotImplementedError(
-            "fsdp_cpu_ram_efficient_loading with tensor parallelism and fsdp_offload_params is not supported for "
-            "Qwen3.5; turn one of them off"
-        )
+    check_no_cpu_offload(plugin.cpu_offload, mesh_dim_size(mesh, "tp"))  # before the meta move below
     if ram_efficient:
         original_sd = model.state_dict()
         buffer_fqns = get_non_persistent_buffers(model, recurse=True, fqns=True)

@@ -36,6 +36,7 @@ from .plan import (
     apply_tensor_parallel,
     apply_vocab_parallel_lm_head,
     check_divisible,
+    check_no_cpu_offload,
     check_vocab_parallel,
     gather_vocab_parallel_logits,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "apply_tensor_parallel",
     "apply_vocab_parallel_lm_head",
     "check_divisible",
+    "check_no_cpu_offload",
     "check_vocab_parallel",
     "clip_grad_norm_",
     "gather_tensor_parallel",

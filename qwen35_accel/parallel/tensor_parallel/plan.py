@@ -74,6 +74,20 @@ def check_divisible(config: Any, tp: int) -> None:
         )
 
 
+def check_no_cpu_offload(offload_policy: Any, tp: int) -> None:
+    """NotImplementedError for FSDP2's CPU offload under tensor parallelism (tp > 1)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if tp > 1 and isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            f"FSDP2's CPU offload (fsdp_offload_params: true, CPUOffloadPolicy) with tensor parallelism (tp size {tp}) is "
+            "not supported for Qwen3.5 by qwen35_accel: offloaded shards and their gradients live on the CPU, and the "
+            "tensor-parallel gradient norm, state_dict() and full-checkpoint loading would hand those CPU tensors to the "
+            "tp group's collectives, which NCCL runs on GPU tensors only. Turn fsdp_offload_params off, or use tp size 1 "
+            "with offload."
+        )
+
+
 def _layouts(layer: nn.Module, config: Any) -> dict[str, _Sliced]:
     """{parameter path inside the decoder layer: how it is split} for one layer."""
     out: dict[str, _Sliced] = {"mlp.gate_proj.weight": _rows(config.intermediate_size),

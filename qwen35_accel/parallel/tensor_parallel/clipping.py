@@ -58,6 +58,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         dist.all_reduce(split, op=op, group=group)
     total = torch.maximum(split, whole) if inf else (split + whole) ** (1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # One multi-tensor multiply per (device, dtype), on the local shards (in place: a
+    # DTensor's local tensor is its storage).
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:
-        p.grad.mul_(coefficient.to(p.grad.device))
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, _), grads in groups.items():
+        torch._foreach_mul_(grads, coefficient.to(device))
     return total

@@ -62,3 +62,19 @@ def _collectives_worker(rank: int, world: int) -> None:
 
 def test_collectives_every_branch_and_torch_name_match_the_definition() -> None:
     run_world(_collectives_worker, 2)
+
+
+def test_the_package_calls_no_deprecated_or_missing_collective_name():
+    """Every flat collective goes through `collectives`' resolved names: `all_gather_into_tensor`
+    / `reduce_scatter_tensor` warn per call on torch 2.13, `*_single` do not exist on 2.11/2.12."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "qwen35_accel"
+    calls = [
+        f"{path.relative_to(root)}:{n}"
+        for path in root.rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"dist\.(all_gather_into_tensor|reduce_scatter_tensor|reduce_scatter_single|all_gather_single)\(", line)
+    ]
+    assert not calls, calls

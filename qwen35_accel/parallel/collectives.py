@@ -27,9 +27,10 @@ def flat_collective(module: Any, name: str, older_name: str) -> Callable[..., An
     return found if found is not None else getattr(module, older_name)
 
 
-# Resolved once: the flat forms every backend takes (input or output dim 0 = world × dim 0).
-_reduce_scatter_flat = flat_collective(dist, "reduce_scatter_single", "reduce_scatter_tensor")
-_all_gather_flat = flat_collective(dist, "all_gather_single", "all_gather_into_tensor")
+# Resolved once: the flat forms every backend takes (input or output dim 0 = world × dim 0),
+# called as torch's: (output, input, group=...). Use these, not the torch names.
+reduce_scatter_flat = flat_collective(dist, "reduce_scatter_single", "reduce_scatter_tensor")
+all_gather_flat = flat_collective(dist, "all_gather_single", "all_gather_into_tensor")
 
 
 def _own_copy(x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +99,7 @@ def reduce_scatter_stack(stack: torch.Tensor, group: dist.ProcessGroup, *, all_t
         return received.sum(dim=0)
     out = stack.new_empty(stack.shape[1:])
     # The concatenated form (input dim 0 = world × output dim 0) is the one every backend takes.
-    _reduce_scatter_flat(out.view(-1), stack.view(-1), group=group)
+    reduce_scatter_flat(out.view(-1), stack.view(-1), group=group)
     return out
 
 
@@ -111,7 +112,7 @@ class _AllGather(torch.autograd.Function):
         out = tensor.new_empty((world, *tensor.shape))
         # Into the flat output (concatenated form, which gloo and NCCL both take): a list of
         # slots would make NCCL gather into a buffer of its own and copy each slot back.
-        _all_gather_flat(out.view(-1), tensor.view(-1), group=group)
+        all_gather_flat(out.view(-1), tensor.view(-1), group=group)
         return out
 
     @staticmethod

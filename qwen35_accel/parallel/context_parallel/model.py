@@ -21,6 +21,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from ...model.detect import qwen35_parts
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
 from ...model.packing import SEQUENCE_SHARDED_ATTR, document_layout, text_positions
+from ..collectives import all_gather_flat
 from ..losses import VOCAB_GROUP_ATTR, CausalLMLoss
 from .attention import SUPPORTED_ATTENTION, ContextParallelAttention
 from .documents import DOCUMENTS_KWARG, ShardedDocuments, shard_documents
@@ -50,10 +51,12 @@ def _padding_violation(attention_mask: torch.Tensor, group: dist.ProcessGroup) -
     for slot, half in enumerate(mask.chunk(2, dim=1)):
         summary[:, slot, 1], summary[:, slot, 2] = half[:, 0], half[:, -1]
     gathered = torch.empty(cp * rows, 2, 3, dtype=summary.dtype, device=mask.device)
-    dist.all_gather_into_tensor(gathered, summary, group=group)
+    all_gather_flat(gathered, summary, group=group)
     gathered = gathered.view(cp, rows, 2, 3)
     chunks = [gathered[owner, :, slot] for owner, slot in (chunk_owner(c, cp) for c in range(2 * cp))]  # sequence order
-    return bool(gathered[..., 0].any()) or any(bool((b[:, 1] > a[:, 2]).any()) for a, b in zip(chunks, chunks[1:]))
+    # A token after padding across a chunk boundary too; one host sync for all of it.
+    across = torch.stack([(b[:, 1] > a[:, 2]) for a, b in zip(chunks, chunks[1:])])
+    return bool(gathered[..., 0].any() | across.any())
 
 
 def _sharded_documents(
@@ -74,7 +77,7 @@ def _sharded_documents(
     if text is not None:
         local = text.long().contiguous()
         gathered = torch.empty(cp * rows, local.shape[1], dtype=local.dtype, device=local.device)
-        dist.all_gather_into_tensor(gathered, local, group=group)
+        all_gather_flat(gathered, local, group=group)
         whole = unshard_sequence(list(gathered.view(cp, rows, -1).unbind(0)), cp, seq_dim=1)
     seq = (whole.shape[1] if whole is not None else position_ids.shape[-1] * cp)
     layout = document_layout(

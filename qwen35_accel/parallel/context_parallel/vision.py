@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from ..collectives import all_gather_with_grad
+from ..collectives import all_gather_flat, all_gather_with_grad
 from ..vision import _as_kwargs, _inner_vlm, placeholder_image
 from .layout import local_positions, shard_sequence, unshard_sequence
 
@@ -68,7 +68,7 @@ def _whole_rows(local: torch.Tensor, cp: int, group: dist.ProcessGroup) -> torch
     """[k, batch, local_seq] integers on each rank -> [k, batch, seq] whole rows."""
     local = local.contiguous()
     gathered = torch.empty((cp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    all_gather_flat(gathered, local, group=group)
     return unshard_sequence(list(gathered.view(cp, *local.shape).unbind(0)), cp, seq_dim=2)
 
 

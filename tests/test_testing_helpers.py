@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from qwen35_accel.testing.local_world import run_local_world
 from qwen35_accel.testing.processes import ProcessTreeTimeout, is_running, run_process_tree
+from qwen35_accel.testing.world_pool import run_pooled_world
 
 
 def _deadlocked_worker(rank: int, world: int) -> None:
@@ -26,6 +27,54 @@ def test_a_deadlocked_local_world_raises_timeout_error_naming_the_ranks(capfd):
         run_local_world(_deadlocked_worker, 2, timeout=20)
     assert time.monotonic() - started < 60
     assert "_deadlocked_worker" in capfd.readouterr().err  # each rank's Python stack was dumped
+
+
+def _leaving_state_worker(rank: int, world: int, marker: str) -> None:
+    import os
+
+    import torch
+
+    assert "QWEN35_POOL_LEFTOVER" not in os.environ, "a previous task's environment leaked"
+    assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
+    os.environ["QWEN35_POOL_LEFTOVER"] = marker
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    dist.all_reduce(torch.ones(1))
+
+
+def _failing_worker(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 stops here")
+    dist.barrier()  # rank 0 waits in a collective its peer never joins
+
+
+def _pid_worker(rank: int, world: int, path: str) -> None:
+    import os
+
+    if rank == 0:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+@pytest.mark.multiprocess
+def test_a_pooled_world_runs_each_task_as_a_fresh_one(tmp_path):
+    """Tasks share the ranks but not what a task leaves behind; a task that fails on one rank
+    is reported with that rank's traceback (its peer stuck in a collective), and the next task
+    gets a new world; a deadlock times out naming the ranks."""
+    pids = tmp_path / "pids"
+    run_pooled_world(_pid_worker, 2, str(pids))
+    run_pooled_world(_leaving_state_worker, 2, "first")
+    run_pooled_world(_leaving_state_worker, 2, "second")  # fails if the first's state stayed
+    run_pooled_world(_pid_worker, 2, str(pids))
+    with pytest.raises(Exception, match="rank 1 stops here"):
+        run_pooled_world(_failing_worker, 2, timeout=60)
+    run_pooled_world(_pid_worker, 2, str(pids))
+    first, again, respawned = pids.read_text().split()
+    assert first == again != respawned  # the same ranks, then a new world after the failure
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] were still running"):
+        run_pooled_world(_deadlocked_worker, 2, timeout=15)
+    assert time.monotonic() - started < 60
 
 
 # A "launcher" that starts a worker in a session of its own (as torch elastic does) and hangs.

@@ -163,6 +163,7 @@ def status(package: str) -> KernelStatus:
     return {"fla": fla_status, "causal_conv1d": conv_status}[package]()
 
 
+@functools.cache
 def transformers_uses(package: str) -> bool | None:
     """Whether Transformers' Qwen3.5 module calls `package`'s kernel (decided at its import;
     see module doc), or None where its wrapper does not show it."""
@@ -239,4 +240,5 @@ def reset() -> None:
     """Forget every probe's result (tests that put fake packages on sys.path)."""
     fla_status.cache_clear()
     conv_status.cache_clear()
+    transformers_uses.cache_clear()
     _warned.clear()

@@ -40,7 +40,9 @@ MIN_FLA = "0.5.0"
 
 FLA_FUNCTION = ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
 CONV_FUNCTION = ("causal_conv1d", "causal_conv1d_fn")
-DISTRIBUTIONS = {"fla": ("flash-linear-attention", "fla-core"), "causal_conv1d": ("causal-conv1d",)}
+# Where the version comes from, first found: from 0.3.2 on the `fla` ops ship in fla-core (which
+# flash-linear-attention requires); before, in flash-linear-attention itself.
+DISTRIBUTIONS = {"fla": ("fla-core", "flash-linear-attention"), "causal_conv1d": ("causal-conv1d",)}
 # The Transformers function that names each package's kernel (see module doc).
 TRANSFORMERS_FUNCTIONS = {"fla": "torch_chunk_gated_delta_rule", "causal_conv1d": "causal_conv1d_fn"}
 
@@ -68,7 +70,7 @@ def _version(package: str) -> tuple[str, str | None]:
             return dist, md.version(dist)
         except md.PackageNotFoundError:
             continue
-    return DISTRIBUTIONS[package][0], None
+    return DISTRIBUTIONS[package][-1], None  # not installed: name what `pip install` takes
 
 
 def _parse(version: str) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ without running a kernel.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -102,6 +103,30 @@ def test_fla_older_than_the_minimum_is_not_used_and_a_recent_one_is(on_path, tmp
     assert found.usable and found.version == "0.5.2", found
     assert select_kernel(CUDA) is found.function is fla_kernel()
     assert select_kernel(torch.device("cpu")) is torch_kernel()  # CPU tensors: torch, whatever is installed
+
+
+@pytest.mark.parametrize("version", ["0.4.0", "0.5.2"])
+def test_where_transformers_calls_fla_our_layer_takes_it_only_on_cuda_and_only_a_usable_one(on_path, version):
+    """Transformers calls FLA whenever it imports, on any device (read from its wrapper; here
+    set, since this process imported Transformers without FLA): our layer calls Transformers'
+    function only for CUDA tensors and a usable FLA, else the torch function under it, which
+    still refuses packed-row arguments as Transformers' fallback does."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    _fake_fla(on_path, version, "")
+    real = kernels.transformers_uses
+    kernels.transformers_uses = lambda package: package == "fla"  # restored below, before the fixture resets the caches
+    try:
+        name = "torch_chunk_gated_delta_rule"
+        on_cuda = fp32_gate._kernel(name, "fla", CUDA_TENSOR)
+        assert (on_cuda is getattr(hf, name)) == (version == "0.5.2")
+        on_cpu = fp32_gate._kernel(name, "fla", torch.zeros(1))
+        assert on_cpu is not getattr(hf, name) and inspect.unwrap(on_cpu) is inspect.unwrap(getattr(hf, name))
+        with pytest.raises(ValueError, match="cannot keep packed documents apart"):
+            on_cpu(*[torch.zeros(1, 4, 1, 2)] * 3, g=torch.zeros(1, 4, 1), beta=torch.ones(1, 4, 1), cu_seqlens=torch.tensor([0, 4]))
+        assert fp32_gate._kernel("causal_conv1d_fn", "causal_conv1d", CUDA_TENSOR) is hf.causal_conv1d_fn  # as resolved
+    finally:
+        kernels.transformers_uses = real
 
 
 def test_a_cuda_run_without_the_kernels_warns_once_naming_why(caplog):

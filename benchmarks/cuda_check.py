@@ -7,7 +7,10 @@ One GPU cannot host a 2-rank NCCL group, so the 2-rank checks use gloo with CUDA
 CPU-only tensors, devices of masks, positions, identity matrices) and the CUDA kernels
 (SDPA with an explicit mask, the chunked rule), while NCCL itself stays untested here.
 Checks:
-1. environment: versions, GPU, optional kernels (flash-linear-attention, causal-conv1d);
+0. FLA preflight: the kernel decision, Triton / tilelang / nvcc, one forward + backward of
+   FLA's rule at Qwen3.5's head counts (bf16 layer inputs; an fp32 chunk summary), timed;
+1. environment: versions, GPU, optional kernels as `qwen35_accel.ops.kernels` finds them
+   (flash-linear-attention, causal-conv1d: version, used or why not), Triton, tilelang;
 2. ops: a chunk's affine summary folded over 8 chunks equals Transformers' chunked rule
    on the GPU (fp32, TF32 off; and bf16 inputs against the fp32 rule);
 3. model: CP layers (no FSDP) over 2 ranks equal the single-process model on the GPU
@@ -21,7 +24,11 @@ Checks:
 7. the CP kernel interfaces: the kernels chosen for the device (FLA's chunk rule,
    causal-conv1d's conv when installed) against the torch kernels, outputs and input
    gradients (a chunk summary from fp32 and from bf16 q/k/v; the halo conv on channel-last
-   bf16 input, with seq_idx).
+   bf16 input, with seq_idx);
+8. TF32 in the CP summaries: FLA's fp32 chunk summaries (M, U; values 2·128 wide, fp32
+   state) against an fp64 recurrence, per chunk and folded over 2·cp chunks, for cp 1-8
+   (Triton's fp32 dots are TF32 unless TRITON_F32_DEFAULT=ieee; docs/limits.md bounds it).
+`--checks NAME ...` runs only those (e.g. `TRITON_F32_DEFAULT=ieee ... --checks tf32_summaries`).
 Writes `cuda_check.json` (all numbers, and under "run" the date, versions, machine and load
 average before / after) to --out and prints a summary. `--smoke` (tiny shapes; `--device cpu`
 on a machine without a GPU) runs checks 1-4 and tp 2 in one 2-rank world, leaves out the
@@ -31,6 +38,8 @@ on a machine without a GPU) runs checks 1-4 and tp 2 in one 2-rank world, leaves
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata
 import json
 import os
 import tempfile
@@ -49,23 +58,172 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_environment(device: str) -> dict:
-    import importlib.util
-
     import accelerate
     import transformers
+
+    from qwen35_accel.ops import kernels
 
     info = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "accelerate": accelerate.__version__,
         "device": device,
-        "fla": importlib.util.find_spec("fla") is not None,
-        "causal_conv1d": importlib.util.find_spec("causal_conv1d") is not None,
+        # What `qwen35-accel env` reports: per optional package, the version and whether we use it.
+        "kernels": {p: kernels.status(p).line() for p in ("fla", "causal_conv1d")},
+        "transformers_calls": {p: kernels.transformers_uses(p) for p in ("fla", "causal_conv1d")},
+        "fla": kernels.fla_status().usable,
+        "causal_conv1d": kernels.conv_status().usable,
     }
+    for name in ("triton", "tilelang"):
+        try:
+            info[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            info[name] = None
+    info["TRITON_F32_DEFAULT"] = os.environ.get("TRITON_F32_DEFAULT")
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
     return info
+
+
+def check_fla_preflight(device: str, smoke: bool = False) -> dict:
+    """Before the other checks: what `ops.kernels` decides, the versions FLA's backward depends
+    on (Triton, tilelang, nvcc), and one forward + backward of FLA's chunk rule at Qwen3.5's
+    shapes (16 key / 32 value heads of 128), timed (the first call compiles and autotunes):
+    bf16 q/k/v as the non-CP layer passes them, and an fp32 chunk summary (values 2·128 wide,
+    fp32 state) as the CP layer does. FLA is called even where `ops.kernels` finds it
+    unusable, so that its own error shows beside our reason."""
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    import shutil
+
+    from qwen35_accel.ops import kernels
+    from qwen35_accel.ops.gated_delta import chunk_summary
+
+    result: dict = {"decision": {p: kernels.status(p).line() for p in ("fla", "causal_conv1d")},
+                    "capability": ".".join(map(str, torch.cuda.get_device_capability(0))), "nvcc": shutil.which("nvcc")}
+    for name in ("triton", "tilelang", "fla-core", "flash-linear-attention"):
+        try:
+            result[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            result[name] = None
+    try:
+        fla = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    except Exception as exc:  # noqa: BLE001 (reported)
+        result["fla_import"] = f"{type(exc).__name__}: {exc}"[:500]
+        return result
+    seq, hk, hv, d = (256, 2, 4, 32) if smoke else (4096, 16, 32, 128)
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    base = [torch.randn(1, seq, hk, d, generator=gen), torch.randn(1, seq, hk, d, generator=gen),
+            torch.randn(1, seq, hv, d, generator=gen), -torch.empty(1, seq, hv).uniform_(0.002, 0.05, generator=gen),
+            torch.rand(1, seq, hv, generator=gen)]
+
+    def bf16_layer(q, k, v, g, beta):
+        return fla(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0].float().square().mean()
+
+    def fp32_summary(q, k, v, g, beta):
+        return sum(t.float().square().mean() for t in chunk_summary(q, k, v, g, beta, kernel=fla))
+
+    for name, dtype, fn in (("bf16_layer", torch.bfloat16, bf16_layer), ("fp32_summary", torch.float32, fp32_summary)):
+        # g in fp32 and the rest in the compute dtype, as the layer passes them
+        leaves = [t.to(device, dtype if i != 3 else torch.float32).requires_grad_(True) for i, t in enumerate(base)]
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        try:
+            fn(*leaves).backward()
+            torch.cuda.synchronize()
+            result[name] = {"s_first_call": round(time.perf_counter() - started, 2),
+                            "grads_finite": all(bool(t.grad.isfinite().all()) for t in leaves)}
+        except Exception as exc:  # noqa: BLE001 (reported: this is what the check is for)
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"[:800]}
+        print(f"  fla_preflight {name}: {result[name]}", flush=True)
+    return result
+
+
+def _fp64_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               initial: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token in fp64 (the reference): q, k [batch, seq, k_heads,
+    k_dim], v [batch, seq, v_heads, v_dim], g, beta [batch, seq, v_heads]; q/k l2-normalised
+    and q scaled by k_dim^-0.5 as `use_qk_l2norm_in_kernel=True` does. Returns (output
+    [batch, seq, v_heads, v_dim], final state [batch, v_heads, k_dim, v_dim]), fp64."""
+    groups = v.shape[2] // k.shape[2]
+    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
+    q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-6) * q.shape[-1] ** -0.5
+    k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+    q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    b, seq, h, dk = k.shape
+    state = v.new_zeros(b, h, dk, v.shape[-1]) if initial is None else initial.double().clone()
+    outs = []
+    for t in range(seq):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], state)) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    return torch.stack(outs, dim=1), state
+
+
+def check_tf32_summaries(device: str, smoke: bool = False) -> dict:
+    """How far the chunk summaries (M, U) a CP layer computes drift from fp64, per cp.
+
+    The CP layer hands its kernel fp32 q/k/v (values `[v | 0]`, 2·128 wide) and an fp32 state
+    `[0 | I]`; Triton computes fp32 `tl.dot` as TF32 unless told otherwise
+    (`TRITON_F32_DEFAULT=ieee`), so FLA's summaries carry TF32 rounding, and the fold over the
+    2·cp chunks adds each chunk's error. For cp in 1, 2, 4, 8 the sequence is cut into 2·cp
+    chunks; each chunk's (M, U) from FLA's kernel and from the torch kernel (fp32, TF32 off)
+    is compared with the same chunk's summary from an fp64 token-by-token recurrence, and the
+    folded output and final state with the fp64 recurrence over the whole sequence.
+    Relative errors: max |a − ref| / max |ref|.
+    """
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    from qwen35_accel.ops import kernels
+    from qwen35_accel.ops.gated_delta import chunk_summary, fold_states, read_state, torch_kernel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    b, seq, hk, hv, d = (1, 256, 2, 4, 32) if smoke else (1, 8192, 2, 4, 128)
+    q, k = torch.randn(b, seq, hk, d, generator=gen), torch.randn(b, seq, hk, d, generator=gen)
+    v = torch.randn(b, seq, hv, d, generator=gen)
+    g = -torch.empty(b, seq, hv).uniform_(0.002, 0.05, generator=gen)  # weak decay: the carried state matters
+    beta = torch.rand(b, seq, hv, generator=gen)
+    inputs = [t.to(device) for t in (q, k, v, g, beta)]
+    ref_out, ref_final = _fp64_rule(*inputs)
+    fla = kernels.fla_status()
+    result: dict = {"fla": fla.line(), "TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT", "(unset: tf32)"),
+                    "shape": {"seq": seq, "k_heads": hk, "v_heads": hv, "k_dim": d, "v_dim": d, "kernel_value_width": 2 * d}}
+    candidates = {"fla_fp32": fla.function, "torch_fp32": torch_kernel()}
+    for cp in (1, 2, 4, 8):
+        n = 2 * cp
+        length = seq // n
+        chunks = [[t[:, i * length:(i + 1) * length] for t in inputs] for i in range(n)]
+        # fp64 summaries of every chunk at once: chunks as the batch, values [v | 0], state [0 | I].
+        stacked = [torch.cat([c[j] for c in chunks]) for j in range(5)]
+        aug = torch.cat([stacked[2], stacked[2].new_zeros(*stacked[2].shape[:-1], d)], dim=-1)
+        eye = torch.eye(d, device=device, dtype=torch.float64).expand(n * b, hv, d, d)
+        _, final64 = _fp64_rule(stacked[0], stacked[1], aug, stacked[3], stacked[4],
+                                torch.cat([eye.new_zeros(n * b, hv, d, d), eye], dim=-1))
+        U64, M64 = final64.split([d, d], dim=-1)
+        row: dict = {}
+        for name, kernel in candidates.items():
+            if kernel is None:
+                row[name] = f"not run: {fla.reason}"
+                continue
+            with torch.no_grad():
+                parts = [chunk_summary(*c, kernel=kernel) for c in chunks]
+            states = fold_states([p[2] for p in parts], [p[3] for p in parts])
+            out = torch.cat([read_state(o0, w, s) for (o0, w, _, _), s in zip(parts, states)], dim=1)
+            row[name] = {
+                "M_rel_err": max(_rel(p[2], M64[i * b:(i + 1) * b]) for i, p in enumerate(parts)),
+                "U_rel_err": max(_rel(p[3], U64[i * b:(i + 1) * b]) for i, p in enumerate(parts)),
+                "output_rel_err": _rel(out, ref_out),
+                "final_state_rel_err": _rel(states[-1], ref_final),
+            }
+        result[f"cp{cp}"] = row
+        print(f"  tf32_summaries cp={cp} ({n} chunks of {length}): "
+              + "; ".join(f"{k_}: " + (", ".join(f"{m} {x:.2e}" for m, x in r.items()) if isinstance(r, dict) else r)
+                          for k_, r in row.items()), flush=True)
+    torch.cuda.synchronize()
+    return result
 
 
 def check_ops(device: str, smoke: bool = False) -> dict:
@@ -322,17 +480,20 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=os.environ.get("OUT"),
                         help="where cuda_check.json goes (default: $OUT, else --results-dir, else the current folder)")
+    parser.add_argument("--checks", nargs="+", default=None, metavar="NAME",
+                        help="run only these checks (their names in cuda_check.json, e.g. tf32_summaries)")
     _report.add_arguments(parser)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     out = args.out if args.out is not None else args.results_dir if args.results_dir is not None else None if args.smoke else Path(".")
     with tempfile.TemporaryDirectory() as tmp:
-        _checks(args.device, args.smoke, out, Path(tmp))
+        _checks(args.device, args.smoke, out, Path(tmp), args.checks)
 
 
-def _checks(device: str, smoke: bool, out: Path | None, scratch: Path) -> None:
-    """Run every check, print each result; write cuda_check.json to `out` (None: nowhere)."""
+def _checks(device: str, smoke: bool, out: Path | None, scratch: Path, only: list[str] | None = None) -> None:
+    """Run every check (or those named in `only`), print each result; write cuda_check.json to
+    `out` (None: nowhere)."""
     from qwen35_accel.testing.local_world import run_local_world
 
     run = _report.Run()
@@ -341,16 +502,20 @@ def _checks(device: str, smoke: bool, out: Path | None, scratch: Path) -> None:
     # run one after the other in it, and cp2xtp2 (4 ranks) is left out.
     skipped = {"skipped": "--smoke: ran in model_cp2's world"} if smoke else None
     report: dict = {"environment": check_environment(device)}
-    for name, fn in (("ops", lambda: check_ops(device, smoke)),
+    for name, fn in (("fla_preflight", lambda: check_fla_preflight(device, smoke)),
+                     ("ops", lambda: check_ops(device, smoke)),
                      ("attention_memory", lambda: check_attention_memory(device, smoke)),
                      ("packing", lambda: check_packing(device, smoke)),
                      ("cp_kernels", lambda: check_cp_kernels(device, smoke)),
+                     ("tf32_summaries", lambda: check_tf32_summaries(device, smoke)),
                      ("model_cp2", lambda: run_local_world(_smoke_worker if smoke else _model_worker, 2, device, work, smoke,
                                                            threads_per_rank=4)),
                      ("fsdp2_cp2", lambda: skipped or run_local_world(_fsdp_worker, 2, device, work, smoke, threads_per_rank=4)),
                      ("tp2", lambda: skipped or run_local_world(_tp_worker, 2, device, work, smoke, threads_per_rank=4)),
                      ("cp2xtp2", lambda: (smoke and {"skipped": "--smoke: 4 ranks"}) or run_local_world(
                          _tp_worker, 4, device, work, smoke, threads_per_rank=2))):
+        if only is not None and name not in only:
+            continue
         started = time.perf_counter()
         try:
             value = fn()

@@ -31,6 +31,7 @@ def env() -> dict[str, Any]:
     from .integrations.accelerate import status
 
     return {
+        "kernels": kernels_report(),
         "qwen35_accel": __version__,
         "python": platform.python_version(),
         "versions": versions,
@@ -42,6 +43,27 @@ def env() -> dict[str, Any]:
         "settings_reference": settings_table(),
         "plugin": status(),
     }
+
+
+def kernels_report() -> dict[str, Any]:
+    """Which GatedDeltaNet kernels a run here takes: per optional package, what was found
+    (version, usable or why not, whether Transformers calls it) and the summary lines."""
+    import torch
+
+    from .ops import kernels
+
+    cuda = torch.cuda.is_available()
+    packages = {}
+    for package in ("fla", "causal_conv1d"):
+        found = kernels.status(package)
+        packages[package] = {
+            "distribution": found.distribution,
+            "version": found.version,
+            "usable": found.usable,
+            "reason": found.reason,
+            "transformers_calls_it": kernels.transformers_uses(package),
+        }
+    return {"device": "cuda" if cuda else "cpu", "summary": kernels.describe(cuda), "packages": packages}
 
 
 def print_env(e: dict[str, Any]) -> None:
@@ -60,6 +82,9 @@ def print_env(e: dict[str, Any]) -> None:
         mark = "x" if point["active"] else ("~" if point["deferred"] else " ")
         print(f"  [{mark}] {point['target']}: {point['purpose']}")
     print("  ([~]: patched once that module is imported)")
+    print(f"kernels ({e['kernels']['device']}):")
+    for line in e["kernels"]["summary"]:
+        print(f"  {line}")
     print("settings:")
     for row in e["settings_reference"]:
         print(f"  {row['variable']} (default {row['default']}): {row['meaning']}")

@@ -120,6 +120,13 @@ def test_env_lists_versions_plugin_and_patch_points():
     assert e["plugin"]["active"] and all(pt["active"] for t, pt in points.items() if t.startswith("accelerate."))
     assert points["transformers.trainer.Trainer.save_model"]["deferred"]  # env does not import the Trainer
     assert {row["variable"] for row in e["settings_reference"]} >= {"QWEN35_ACCEL", "QWEN35_ACCEL_CPU_FSDP"}
+    # Which GatedDeltaNet kernels a run takes here, and for each optional package what was found.
+    kernels = e["kernels"]
+    assert kernels["device"] == "cpu" and kernels["summary"][0].startswith("CPU run: the torch kernels run")
+    assert [line.split(":")[0].strip() for line in kernels["summary"][1:3]] == ["GatedDeltaNet rule", "GatedDeltaNet conv"]
+    for package, found in kernels["packages"].items():
+        assert found["distribution"] in kernels["summary"][1 + ["fla", "causal_conv1d"].index(package)]
+        assert isinstance(found["usable"], bool) and found["reason"] and isinstance(found["transformers_calls_it"], bool)
 
 
 def test_plan_with_an_impossible_config_prints_one_line_naming_the_fix_and_exits_2(tmp_path):

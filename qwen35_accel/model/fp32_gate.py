@@ -15,7 +15,7 @@ accepts those names (from unmodified checkpoints, in any floating dtype).
 from __future__ import annotations
 
 import functools
-import importlib.util
+import inspect
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from ..ops import kernels
 from ..ops.documents import per_document
 from .checkpoint_gates import restore_checkpoint_gates
 from .packing import install_packing_hook
@@ -34,18 +35,41 @@ RESTORED_GATES_ATTR = "_qwen35_restored_gates"  # how many gate tensors took the
 GATE_PARAM_NAMES = ("A_log", "dt_bias")
 
 
-@functools.cache
-def _installed(package: str) -> bool:
-    return importlib.util.find_spec(package) is not None
-
-
 def _varlen_kernel(package: str, x: torch.Tensor) -> bool:
-    """Whether packed rows go to `package`'s varlen kernel: Transformers resolves its
-    GatedDeltaNet kernels to `causal_conv1d` (`seq_idx`) and FLA (`cu_seqlens`) when they
-    are installed, and those take CUDA tensors. Elsewhere every document runs alone
-    through the kernels Transformers has (`per_document`). Not verified on a GPU in this
-    project's CI (no GPU there); Transformers' own packed path makes the same calls."""
-    return x.is_cuda and _installed(package)
+    """Whether packed rows go to `package`'s varlen kernel through Transformers' function
+    (`causal_conv1d`: `seq_idx`; FLA: `cu_seqlens`): CUDA tensors, the package usable
+    (`ops.kernels`: it imports, is recent enough) and Transformers calling it (its torch
+    fallbacks raise on those arguments). Elsewhere every document runs alone through the
+    kernels Transformers has (`per_document`). Not verified on a GPU in this project's CI
+    (no GPU there); Transformers' own packed path makes the same calls."""
+    return x.is_cuda and kernels.varlen_ok(package)
+
+
+def _kernel(name: str, package: str, x: torch.Tensor) -> Callable[..., Any]:
+    """Transformers' kernel function `name` as Transformers resolved it (`package`'s kernel,
+    or its torch fallback), except where it resolved to `package` and that cannot serve `x`:
+    off CUDA (the packages' kernels are CUDA-only, Transformers calls them on any device), or
+    `package` found unusable by `ops.kernels` (older than `MIN_FLA`, its backward would raise).
+    Then the torch function under it."""
+    if kernels.transformers_uses(package) is not True or (x.is_cuda and kernels.status(package).usable):
+        return getattr(hf, name)
+    return _torch_function(name)
+
+
+@functools.cache
+def _torch_function(name: str) -> Callable[..., Any]:
+    """The torch function under Transformers' `name`, refusing packed-row arguments as
+    Transformers' own fallback does (the function itself ignores them)."""
+    function = inspect.unwrap(getattr(hf, name))
+
+    @functools.wraps(function)
+    def refusing_packed_rows(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
+            raise ValueError(f"`{name}` runs in plain torch here, which cannot keep packed documents apart "
+                             "(`cu_seqlens` / `seq_idx`); `qwen35-accel env` says why the CUDA kernel is not used")
+        return function(*args, **kwargs)
+
+    return refusing_packed_rows
 
 
 class GateInput:
@@ -206,17 +230,18 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
             flat = mixed_qkv.transpose(1, 2).reshape(batch * seq_len, channels)
 
             def conv_alone(x: torch.Tensor) -> torch.Tensor:  # [n, P, channels] -> [n, P, channels]
-                out = hf.causal_conv1d_fn(x.transpose(1, 2), weight, self.conv1d.bias, activation=self.activation)
+                out = _kernel("causal_conv1d_fn", "causal_conv1d", x)(x.transpose(1, 2), weight, self.conv1d.bias, activation=self.activation)
                 return out.transpose(1, 2)
 
             out = per_document(conv_alone, [flat], documents)
             return out.view(batch, seq_len, channels).transpose(1, 2)
         conv_state = cache.get_conv_state(self.layer_idx, state_idx=0) if cache is not None else None
         if conv_state is not None and seq_len == 1 and not cache.is_recording_past(self.layer_idx):
-            return hf.causal_conv1d_update(mixed_qkv, conv_state, weight, self.conv1d.bias, self.activation)
+            update = _kernel("causal_conv1d_update", "causal_conv1d", mixed_qkv)
+            return update(mixed_qkv, conv_state, weight, self.conv1d.bias, self.activation)
         if cache is not None:
             mixed_qkv = cache.update_conv_state(mixed_qkv, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
-        out = hf.causal_conv1d_fn(mixed_qkv, weight, self.conv1d.bias, activation=self.activation, **kwargs)
+        out = _kernel("causal_conv1d_fn", "causal_conv1d", mixed_qkv)(mixed_qkv, weight, self.conv1d.bias, activation=self.activation, **kwargs)
         return out[:, :, -seq_len:] if cache is not None else out
 
     def core(
@@ -247,13 +272,14 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
             batch, seq_len = query.shape[:2]
 
             def rule_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-                return hf.torch_chunk_gated_delta_rule(q, k, v, g=g_, beta=b, use_qk_l2norm_in_kernel=True)[0]
+                return _kernel("torch_chunk_gated_delta_rule", "fla", q)(q, k, v, g=g_, beta=b, use_qk_l2norm_in_kernel=True)[0]
 
             flat = [t.reshape(batch * seq_len, *t.shape[2:]) for t in (query, key, value, g, beta)]
             return per_document(rule_alone, flat, documents).view(batch, seq_len, *value.shape[2:])
         recurrent_state = cache.get_recurrent_state(self.layer_idx, state_idx=0) if cache is not None else None
         seq_len = query.shape[1]
-        rule = hf.torch_recurrent_gated_delta_rule if recurrent_state is not None and seq_len == 1 else hf.torch_chunk_gated_delta_rule
+        name = "torch_recurrent_gated_delta_rule" if recurrent_state is not None and seq_len == 1 else "torch_chunk_gated_delta_rule"
+        rule = _kernel(name, "fla", query)
         core_attn_out, last_recurrent_state = rule(
             query,
             key,

@@ -11,13 +11,13 @@ layout GatedDeltaNet's `in_proj_qkv(h).transpose(1, 2)` has; callers keep it.
 
 from __future__ import annotations
 
-import functools
-import importlib
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
+
+from . import kernels
 
 ConvKernel = Callable[..., torch.Tensor]
 
@@ -51,21 +51,21 @@ def torch_conv_kernel(
     return out.to(x.dtype)
 
 
-@functools.cache
 def causal_conv1d_kernel() -> ConvKernel | None:
-    """causal-conv1d's `causal_conv1d_fn` (CUDA tensors only), or None without the package."""
-    try:
-        return importlib.import_module("causal_conv1d").causal_conv1d_fn
-    except Exception:  # not installed, or built for another torch
-        return None
+    """causal-conv1d's `causal_conv1d_fn` (CUDA tensors only) where `kernels.conv_status()`
+    finds it usable (installed, importable, takes `seq_idx`), else None."""
+    return kernels.conv_status().function
 
 
 def select_conv_kernel(device: torch.device) -> ConvKernel:
-    """causal-conv1d's kernel on CUDA when it imports, else `torch_conv_kernel`.
+    """causal-conv1d's kernel on CUDA when usable, else `torch_conv_kernel` (on CUDA with a
+    warning, once per process, naming why).
 
     The causal-conv1d branch is not verified in this project's CI (no GPU there);
     `benchmarks/cuda_check.py` compares the two on a GPU.
     """
-    if device.type == "cuda" and (kernel := causal_conv1d_kernel()) is not None:
-        return kernel
+    if device.type == "cuda":
+        if (kernel := causal_conv1d_kernel()) is not None:
+            return kernel
+        kernels.warn_torch_fallback("causal_conv")
     return torch_conv_kernel

@@ -15,12 +15,12 @@ different ranks (`qwen35_accel.parallel.context_parallel`).
 
 from __future__ import annotations
 
-import functools
-import importlib
 import inspect
 from collections.abc import Callable, Sequence
 
 import torch
+
+from . import kernels
 
 # The chunked gated delta rule, called as Transformers' `torch_chunk_gated_delta_rule` and
 # FLA's `chunk_gated_delta_rule` both are: kernel(query, key, value, g=, beta=,
@@ -39,23 +39,23 @@ def torch_kernel() -> Kernel:
     return inspect.unwrap(hf.torch_chunk_gated_delta_rule)
 
 
-@functools.cache
 def fla_kernel() -> Kernel | None:
-    """FLA's `chunk_gated_delta_rule` (Triton, CUDA tensors only), or None without `fla`."""
-    try:
-        return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
-    except Exception:  # not installed, or installed without a working Triton
-        return None
+    """FLA's `chunk_gated_delta_rule` (Triton, CUDA tensors only) where `kernels.fla_status()`
+    finds it usable (installed, importable, >= `kernels.MIN_FLA`, backward runnable), else None."""
+    return kernels.fla_status().function
 
 
 def select_kernel(device: torch.device) -> Kernel:
-    """The kernel for tensors on `device`: FLA's on CUDA when `fla` imports, else `torch_kernel()`.
+    """The kernel for tensors on `device`: FLA's on CUDA when usable, else `torch_kernel()`
+    (on CUDA with a warning, once per process, naming why).
 
     The FLA branch is not verified in this project's CI (no GPU there; FLA's kernels do not
-    run under Triton's CPU interpreter).
+    run under Triton's CPU interpreter); `benchmarks/cuda_check.py` compares the two on a GPU.
     """
-    if device.type == "cuda" and (fla := fla_kernel()) is not None:
-        return fla
+    if device.type == "cuda":
+        if (fla := fla_kernel()) is not None:
+            return fla
+        kernels.warn_torch_fallback("gated_delta")
     return torch_kernel()
 
 

@@ -11,6 +11,7 @@ stops a Trainer resume on every rank when the nodes see different checkpoint fil
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -157,13 +158,21 @@ def check_same_checkpoint_on_every_rank(directory: str) -> None:
     that load is collective). Where a node lacks a file its ranks skip or fail a step the
     others run, and the collectives stop matching (a hang on NCCL). So the ranks compare
     their listings (top level and one level of subdirectories, the per-rank RNG states
-    aside: each rank reads only its own, where it exists) before any of that. Collective over the default group when distributed: call it on every rank.
+    aside: each rank reads only its own, where it exists) before any of that: a digest, then
+    the listings where the digests differ. Collective over the default group when
+    distributed: call it on every rank.
     """
-    mine = (_listing(directory), socket.gethostname())
+    listing = _listing(directory)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
+    # A digest first (a sharded checkpoint lists a file per rank); the listings only if they differ.
+    digest = None if listing is None else hashlib.sha256("\0".join(sorted(listing)).encode()).hexdigest()
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        return
     views: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, mine)
+    dist.all_gather_object(views, (listing, socket.gethostname()))
     (reference, host0), differ = views[0], []
     for rank, (names, host) in enumerate(views[1:], start=1):
         if names != reference:

@@ -63,3 +63,88 @@ def _roundtrip_worker(rank: int, world: int, out_dir: str) -> None:
 
 def test_gathered_state_dict_saves_and_reloads_as_transformers_checkpoint(tmp_path):
     run_world(_roundtrip_worker, 2, str(tmp_path))
+
+
+def _node_local_checkpoint_worker(rank: int, world: int, tmp: str) -> None:
+    """Each rank a machine of its own: its checkpoint directory is `tmp/node{rank}`, nothing shared.
+
+    A tp 2 model (PARALLELIZER.apply, as the plugin prepares it; Accelerate refuses FSDP with
+    tp = world) and a real Accelerator's FSDP2 plugin; the FULL_STATE_DICT file is what
+    Accelerate's `save_fsdp_model` writes (the gathered state dict, `torch.save` on rank 0).
+    """
+    import shutil
+    import socket
+    from pathlib import Path
+
+    import accelerate.accelerator
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.integrations.checkpoints import check_same_checkpoint_on_every_rank
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
+
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="FULL_STATE_DICT"))
+    mesh = init_device_mesh("cpu", (1, 1, 1, world), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+
+    def prepared(seed: int) -> torch.nn.Module:
+        model = PARALLELIZER.apply(build_tiny_causal_lm(seed=seed), mesh)
+        model._qwen35_accel_prepared = True  # what the plugin's preparation marks
+        return model
+
+    def load(model: torch.nn.Module, directory: Path) -> None:  # what Accelerator.load_state calls for the model
+        accelerate.accelerator.load_fsdp_model(accelerator.state.fsdp_plugin, accelerator, model, str(directory))
+
+    nodes = [Path(tmp) / f"node{r}" for r in range(world)]
+    nodes[rank].mkdir()
+    saved = get_model_state_dict(prepared(seed=0), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(saved, nodes[0] / "pytorch_model_fsdp.bin")
+    dist.barrier()
+
+    # Rank 0 reads the file and broadcasts it; rank 1, whose node lacks it, needs none of it.
+    model = prepared(seed=1)
+    load(model, nodes[rank])
+    loaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # where the full state dict is gathered
+        assert set(loaded) == set(saved)
+        for key, value in loaded.items():
+            assert torch.equal(value, saved[key]), key
+
+    # The file on rank 1's node only: every rank refuses, naming rank 0 and the ranks that have it.
+    dist.barrier()
+    if rank == 0:
+        shutil.move(nodes[0] / "pytorch_model_fsdp.bin", nodes[1] / "pytorch_model_fsdp.bin")
+    dist.barrier()
+    host = socket.gethostname()
+    with pytest.raises(ValueError, match=rf"rank 0 \(on {host}\) for every rank, and rank 0 does not have this file; ranks 1 \({host}\) do"):
+        load(model, nodes[rank])
+    # On no rank: FileNotFoundError on every rank (Accelerate's loading would fail on rank 0 alone).
+    dist.barrier()
+    if rank == 1:
+        shutil.move(nodes[1] / "pytorch_model_fsdp.bin", Path(tmp) / "elsewhere.bin")
+    dist.barrier()
+    with pytest.raises(FileNotFoundError, match="no such file on any rank"):
+        load(model, nodes[rank])
+
+    # The Trainer's resume reads the checkpoint on every rank: directories whose files differ stop
+    # it on every rank (per-rank RNG states aside); the same files pass.
+    dist.barrier()
+    if rank == 0:
+        for r in range(world):
+            torch.save({}, nodes[0] / f"rng_state_{r}.pth")
+        torch.save({}, nodes[0] / "optimizer.bin")
+    dist.barrier()
+    with pytest.raises(ValueError, match=rf"ranks see different files \(rank 1 \({host}\) lacks \['optimizer.bin'\]"):
+        check_same_checkpoint_on_every_rank(str(nodes[rank]))
+    check_same_checkpoint_on_every_rank(str(nodes[0]))
+    with pytest.raises(ValueError, match=rf"rank 1 \({host}\) has no such directory"):
+        check_same_checkpoint_on_every_rank(str(nodes[0] if rank == 0 else Path(tmp) / "nowhere"))
+
+
+def test_full_state_dict_checkpoints_on_one_node_only_load_or_fail_on_every_rank(tmp_path):
+    from qwen35_accel.testing.local_world import run_local_world
+
+    # Mismatched collectives hang rather than fail: a hard timeout well below the default.
+    run_local_world(_node_local_checkpoint_worker, 2, str(tmp_path), timeout=180)

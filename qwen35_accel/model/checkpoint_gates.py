@@ -13,6 +13,14 @@ A gate is restored only when the checkpoint holds it in another dtype than the o
 arrived in and the model's value is exactly the checkpoint's value rounded to that dtype
 (the model still holds what it loaded). Otherwise one warning says what was not restored,
 the rounding it keeps, and how to load in fp32.
+
+Each rank decides alone, from the files it sees, and that is safe without a shared
+filesystem: nothing here communicates, and no collective depends on the outcome (the count
+restored feeds rank 0's note only). The files are `name_or_path`'s, which the rank's own
+`from_pretrained` read on its own node, so every rank that loaded them finds them again (a
+model without such files warns on every rank alike); ranks whose weights are on the meta
+device (`fsdp_cpu_ram_efficient_loading`) list nothing here and receive rank 0's restored
+values by broadcast later.
 """
 
 from __future__ import annotations

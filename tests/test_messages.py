@@ -103,6 +103,7 @@ def _checkpointing_worker(rank: int, world: int, ours: bool, cp: int) -> None:
         line = next(line for line in stderr.getvalue().splitlines() if "prepared by qwen35_accel" in line)
         assert "activation checkpointing=" not in line, line  # the old line said "=False" under Transformers' own
         assert "loss: tiled" in line, line  # the default training loss, named
+        assert "GatedDeltaNet kernels: torch (CPU run" in line, line  # which kernels run, said
         if ours:
             assert "activation checkpointing: qwen35_accel's (each decoder layer; Transformers' gradient " \
                    "checkpointing was on too and is turned off" in line, line
@@ -148,3 +149,26 @@ def test_a_decoder_layer_is_checkpointed_once_and_the_prepared_line_says_by_whom
     never checkpointed twice), or Transformers' runs inside our units (also under CP);
     loss and gradients stay the single-process model's."""
     run_world(_checkpointing_worker, 2, ours, cp)
+
+
+def _different_settings_worker(rank: int, world: int) -> None:
+    import os
+
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
+
+    if rank == 1:  # as if one node's launcher had it set
+        os.environ["QWEN35_ACCEL_TILED_LOSS"] = "off"
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    with pytest.raises(ValueError, match=r"the ranks read different qwen35_accel settings: "
+                                         r"\{'QWEN35_ACCEL_TILED_LOSS': \{0: 'hold', 1: 'off'\}\}"):
+        accelerator.prepare(build_tiny_causal_lm(seed=0))
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_read_different_settings_are_refused_on_every_rank():
+    """Settings choose collectives (the loss, the CP exchange, prefetching): ranks whose
+    environments differ stop together with the values per rank, never hang."""
+    run_world(_different_settings_worker, 2)

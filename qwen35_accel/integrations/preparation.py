@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .notices import main_process_note
-from .settings import PluginSettings
+from .settings import PluginSettings, check_same_on_every_rank
 from .targets import is_dense_qwen35_module, the_model
 
 logger = logging.getLogger(__name__)
@@ -144,6 +144,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
     if isinstance(model, FSDPModule):
         return model
     settings = PluginSettings.from_env(strict=True)
+    check_same_on_every_rank(settings)  # before any collective that a setting chooses
     plugin = accelerator.state.fsdp_plugin
     if accelerator.mixed_precision != "no":
         for param in model.parameters():

@@ -110,6 +110,29 @@ class PluginSettings:
         return cls(**values)
 
 
+def check_same_on_every_rank(settings: PluginSettings) -> None:
+    """ValueError on every rank when the ranks read different settings (each reads its own
+    environment: a variable set on one node's launcher only): most of them change which
+    collectives run, and ranks that disagree would hang in mismatched ones. Collective over
+    the default process group (a no-op without one)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    everyone: list[PluginSettings | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, settings)
+    differ = {
+        PluginSettings.env_name(f.name): {rank: getattr(s, f.name) for rank, s in enumerate(everyone)}
+        for f in dataclasses.fields(PluginSettings)
+        if len({getattr(s, f.name) for s in everyone}) > 1
+    }
+    if differ:
+        raise ValueError(
+            f"the ranks read different qwen35_accel settings: {differ} (value per global rank). Set the same "
+            "QWEN35_ACCEL_* variables for every process (each node's launcher environment)."
+        )
+
+
 _warned_unknown: set[tuple[str, ...]] = set()
 
 

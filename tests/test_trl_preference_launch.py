@@ -1,5 +1,6 @@
 """TRL's `DPOTrainer` and `KTOTrainer`, unchanged (tests/scripts/trl_dpo.py, trl_kto.py), under
-context parallelism (cp 2) through `accelerate launch`, against one process on the same batch:
+context parallelism (cp 2; DPO also dp 2 × cp 2) through `accelerate launch`, against one process
+on the same global batch:
 every value TRL and the Trainer log per step (`trainer_state.json`, training and evaluation) —
 loss, grad norm, `rewards/*`, `logps/*`, `logits/*`, `entropy`, `mean_token_accuracy`, KTO's
 `kl`, and the counts (`num_tokens`, exactly).
@@ -41,17 +42,26 @@ def _trained(out: Path, metric: str) -> None:
     assert max(abs(e[metric]) for e in logged if metric in e) > 0, logged
 
 
-def test_dpo_trainer_under_cp_logs_what_one_process_logs(tmp_path):
-    """Sigmoid and IPO (which divides by the completions' lengths) with a reference model, and the
-    reference log-probs precomputed over the dataset: one launch, the variants one after the other."""
-    single, cp2 = tmp_path / "single", tmp_path / "cp2"
-    _run([sys.executable, str(DPO), str(single), "4", "--variants", DPO_VARIANTS, "--eval"])
-    _run(accelerate_launch_command("cpu_fsdp2_cp2.yaml", DPO, str(cp2), "4", "--variants", DPO_VARIANTS, "--eval"))
+@pytest.fixture(scope="module")
+def dpo_one_process(tmp_path_factory) -> Path:
+    single = tmp_path_factory.mktemp("dpo") / "single"
+    _run([sys.executable, str(DPO), str(single), "4", "--variants", DPO_VARIANTS, "--eval"])  # the launches' global batch
     for variant in DPO_VARIANTS.split(","):
         _trained(single / variant, "rewards/chosen")
+    return single
+
+
+@pytest.mark.parametrize("config,per_device", [("cpu_fsdp2_cp2.yaml", "4"), ("cpu_fsdp2_dp2_cp2.yaml", "2")],
+                         ids=["cp2", "dp2xcp2"])
+def test_dpo_trainer_under_cp_logs_what_one_process_logs(tmp_path, dpo_one_process, config, per_device):
+    """Sigmoid and IPO (which divides by the completions' lengths) with a reference model, and the
+    reference log-probs precomputed over the dataset: one launch, the variants one after the other."""
+    out = tmp_path / "run"
+    _run(accelerate_launch_command(config, DPO, str(out), per_device, "--variants", DPO_VARIANTS, "--eval"))
+    for variant in DPO_VARIANTS.split(","):
         # fp32 rtol 1e-5: the reduction order over chunks and ranks; atol 1e-6: the rewards are
         # beta × (log-prob − reference log-prob), differences of terms of ~6 (beta 0.1 × ~60 nats).
-        assert_same_log_history(cp2 / variant, single / variant, rtol=1e-5, atol=1e-6)
+        assert_same_log_history(out / variant, dpo_one_process / variant, rtol=1e-5, atol=1e-6)
 
 
 def test_dpo_trainer_with_lora_under_cp_logs_what_one_process_logs(tmp_path):

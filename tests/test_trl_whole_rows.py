@@ -2,7 +2,8 @@
 `model(input_ids, attention_mask, labels, fused_lm_head=True)`, labels unshifted) equals TRL's head
 on the unmodified model in one process: every per-token field of the whole rows, the loss, a
 DPO-style per-sequence loss (sums over the completion, lengths, a frozen reference model's
-log-probs under no_grad) and every gradient, with the decoder run under cp 2 (each rank its chunks)."""
+log-probs under no_grad) and every gradient, with the decoder run under cp 2 (each rank its chunks),
+and under cp 2 × tp 2 with the lm_head split by vocab."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_world
-from _parity import assert_close, assert_grads_match
+from _parity import assert_close, hf_name
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,11 +43,12 @@ def dpo_style_loss(logps: torch.Tensor, ref_logps: torch.Tensor, completion_mask
     return (sigmoid + ipo).mean()
 
 
-def _worker(rank: int, world: int) -> None:
+def _worker(rank: int, world: int, cp: int) -> None:
     import trl.trainer.dpo_trainer as dpo_module
     from trl.trainer.utils import add_fused_lm_head
 
     from qwen35_accel import PARALLELIZER, install
+    from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
     from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
     install()  # the plugin's patch points, TRL's modules included (imported above)
@@ -57,10 +59,11 @@ def _worker(rank: int, world: int) -> None:
     dpo_module.add_fused_lm_head(model, outputs=OUTPUTS)  # as DPOTrainer calls it
     dpo_module.add_fused_lm_head(ref_model)
     ref_model.requires_grad_(False)
-    mesh = init_device_mesh("cpu", (1, 1, world, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    tp = world // cp  # tp > 1: the lm_head split by vocab too, TRL's head combining the slices
+    mesh = init_device_mesh("cpu", (1, 1, cp, tp), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    PARALLELIZER.apply(model, mesh)
-    PARALLELIZER.apply(ref_model, mesh)
+    PARALLELIZER.apply(model, mesh, vocab_parallel_lm_head=tp > 1)
+    PARALLELIZER.apply(ref_model, mesh, vocab_parallel_lm_head=tp > 1)
 
     batch = preference_batch(model.config.vocab_size)
     completion_mask = batch.pop("completion_mask")
@@ -80,16 +83,19 @@ def _worker(rank: int, world: int) -> None:
     loss = dpo_style_loss(got.log_probs.sum(1), got_ref, completion_mask)
     assert_close(loss.detach(), dpo_style_loss(want.log_probs.sum(1), want_ref, completion_mask).detach(), "dpo loss")
     loss.backward()  # FSDP2 averages over the cp ranks: each computed the whole rows' loss
-    assert_grads_match(model, reference)
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close(gather_tensor_parallel(model, name, p.grad), ref_params[hf_name(name)].grad, f"grad of {name}")
 
     # The whole-row precondition: the same rows on every rank of the cp group, refused on every rank otherwise.
-    other = {k: v.roll(rank, dims=0) for k, v in batch.items()}
+    other = {k: v.roll(mesh["cp"].get_local_rank(), dims=0) for k, v in batch.items()}
     with pytest.raises(ValueError, match="needs the same whole rows on every rank of the cp group"):
         model(**other, fused_lm_head=True)
 
 
-def test_trl_fused_head_on_whole_rows_under_cp_equals_one_process():
-    run_world(_worker, 2)
+@pytest.mark.parametrize("world,cp", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)], ids=["cp2", "cp2xtp2"])
+def test_trl_fused_head_on_whole_rows_under_cp_equals_one_process(world, cp):
+    run_world(_worker, world, cp)
 
 
 def test_dpo_and_kto_under_cp_with_another_trl_are_refused_naming_the_version():

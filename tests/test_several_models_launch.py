@@ -57,20 +57,6 @@ def test_dpo_trainer_with_a_reference_model_matches_one_process(tmp_path, config
     assert_same_log_history(out, dpo_one_process, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["ref_model", "lora"])
-def test_dpo_trainer_under_context_parallelism_is_refused_on_every_rank(tmp_path, variant):
-    """TRL computes per-sequence log-probabilities from the logits it receives (each rank's
-    chunks under CP): a clear refusal, not a shape error deep inside TRL — when TRL prepares
-    the reference model, and at the first step when there is none (LoRA: the reference is
-    the policy with its adapters off)."""
-    script = REPO / "tests" / "scripts" / "trl_dpo.py"
-    extra = ["lora"] if variant == "lora" else []
-    result = run_launch(accelerate_launch_command("cpu_fsdp2_cp2.yaml", script, str(tmp_path / "cp2"), "2", *extra))
-    assert result.returncode != 0 and not result.leftover_processes, describe(result)
-    for rank in (0, 1):
-        assert f"[rank{rank}]: NotImplementedError: TRL's DPOTrainer under context parallelism (cp_size=2)" in result.stderr, describe(result)
-
-
 def test_grpo_trainer_reference_model_gets_our_units_and_cp_and_tp_are_refused(tmp_path):
     """GRPO samples its completions, so runs over different process counts draw different
     ones (no one-process oracle per step); what is checked: the reference model TRL loads

@@ -9,7 +9,17 @@ active and why not (`status()`). The public names are in `accelerate.py`.
 
 from __future__ import annotations
 
-from . import activation, checkpoints, cpu_backend, evaluation, preparation, several_models, step_hooks, trl_fused_head
+from . import (
+    activation,
+    checkpoints,
+    cpu_backend,
+    evaluation,
+    preparation,
+    several_models,
+    step_hooks,
+    trl_fused_head,
+    trl_whole_rows,
+)
 from .activation import ACCELERATE, TRANSFORMERS, TRL, PatchPoint
 
 PATCH_POINTS: tuple[PatchPoint, ...] = (
@@ -74,8 +84,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "transformers.trainer", "Trainer._prepare_context_parallel_inputs", step_hooks.prepare_context_parallel_inputs,
         TRANSFORMERS,
         "dense Qwen3.5 under cp > 1: the batch is right-padded to a multiple of 2*cp first (padding-free collators "
-        "make rows of any length; stock leaves that to the collator); TRL's log-probability trainers refused under "
-        "cp, its sampling trainers under tp",
+        "make rows of any length; stock leaves that to the collator); TRL's DPO/KTO batches left whole (their fused "
+        "head shards whole rows itself), GRPO/RLOO refused under cp, TRL's sampling trainers under tp",
     ),
     PatchPoint(
         "transformers.trainer", "Trainer._track_num_input_tokens", step_hooks.track_num_input_tokens, TRANSFORMERS,
@@ -109,7 +119,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         PatchPoint(
             f"trl.trainer.{module}", "prepare_fsdp", several_models.trl_prepare_fsdp(trainer), TRL,
             f"{trainer}'s reference model, dense Qwen3.5 under FSDP2: our units and CP/TP layers (stock TRL: one "
-            "fully_shard on the whole model)",
+            "fully_shard on the whole model); under cp refused for GRPO/RLOO",
         )
         for module, trainer in (("dpo_trainer", "DPOTrainer"), ("grpo_trainer", "GRPOTrainer"),
                                 ("rloo_trainer", "RLOOTrainer"), ("kto_trainer", "KTOTrainer"))
@@ -118,11 +128,23 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         PatchPoint(
             f"trl.trainer.{module}", "add_fused_lm_head", trl_fused_head.trl_add_fused_lm_head, TRL,
             f"{trainer}'s fused LM head on a dense Qwen3.5 model with a vocab-parallel lm_head: per-token log-probs, "
-            "entropy and top-1 over the whole vocabulary (stock TRL: over this rank's vocab slice)",
+            "entropy and top-1 over the whole vocabulary (stock TRL: over this rank's vocab slice); under cp, a call "
+            "on whole rows (unshifted labels) sharded on entry (a forward pre-hook on the model, labels shifted over "
+            "the whole row) and its per-token fields all-gathered back",
         )
         for module, trainer in (("sft_trainer", "SFTTrainer"), ("dpo_trainer", "DPOTrainer"),
                                 ("grpo_trainer", "GRPOTrainer"), ("rloo_trainer", "RLOOTrainer"),
                                 ("kto_trainer", "KTOTrainer"))
+    ),
+    *(
+        PatchPoint(
+            f"trl.trainer.{module}", f"{trainer}.{method}", trl_whole_rows.trl_counted_once, TRL,
+            f"{trainer}.{method} on a dense Qwen3.5 model under cp > 1: TRL's metric gathers (accelerator.gather, "
+            "gather_for_metrics through it; bound on the accelerator for the call) keep one copy of each cp group's "
+            "whole rows (stock: cp copies: num_tokens cp times, precomputed reference log-probs duplicated)",
+        )
+        for module, trainer in (("dpo_trainer", "DPOTrainer"), ("kto_trainer", "KTOTrainer"))
+        for method in ("compute_loss", "_precompute_ref_logps")
     ),
 )
 

@@ -85,9 +85,9 @@ def prepare(original: Callable[..., Any]) -> Callable[..., Any]:
 def trl_prepare_fsdp(trainer: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The wrapper of TRL's `prepare_fsdp(model, accelerator)` as `trainer`'s module imports it
     (its reference model): for a dense Qwen3.5 model under FSDP2, `prepare_extra_model`, in
-    eval mode, as TRL leaves it. Under context parallelism refused: these trainers compute
-    per-sequence (or per-token) log-probabilities from the logits they receive, which are
-    this rank's sequence chunks, and GRPO/RLOO generate, which CP cannot."""
+    eval mode, as TRL leaves it. Under context parallelism DPO and KTO (TRL 1.16) get their
+    reference model's log-probabilities of whole rows as the policy's (`trl_whole_rows`);
+    GRPO/RLOO are refused: they generate, which CP cannot."""
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -98,7 +98,11 @@ def trl_prepare_fsdp(trainer: str) -> Callable[[Callable[..., Any]], Callable[..
             ):
                 parallelism = getattr(accelerator, "parallelism_config", None)
                 if parallelism is not None and parallelism.cp_enabled:
-                    raise trl_under_cp_error(trainer, parallelism.cp_size)
+                    from .trl_whole_rows import whole_rows_supported
+
+                    supported, trl_version = whole_rows_supported(trainer)
+                    if not supported:
+                        raise trl_under_cp_error(trainer, parallelism.cp_size, trl_version)
                 model = prepare_extra_model(accelerator, model, register=False)
                 model.eval()
                 return model

@@ -44,10 +44,12 @@ def maybe_context_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
 def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
     """`Trainer._prepare_context_parallel_inputs`: under our cp, pad the batch to a multiple
     of 2·cp first (padding-free collators such as `DataCollatorWithFlattening` make rows of
-    any length; only here are the keys, and so each buffer's pad value, known). TRL's
-    log-probability trainers (DPO, GRPO, RLOO, KTO) are refused here on every rank: they
-    would compute sequence log-probabilities from this rank's chunks (with a reference
-    model they are refused earlier, when TRL prepares it); TRL's sampling trainers (GRPO,
+    any length; only here are the keys, and so each buffer's pad value, known). TRL's DPO and
+    KTO trainers (TRL 1.16) are not sharded here: they compute per-sequence quantities from
+    the fused head's per-token fields of whole rows, which the head's call shards and gathers
+    back itself (`trl_whole_rows`); the batch stays whole on every cp rank. TRL's other
+    log-probability trainers (GRPO, RLOO; DPO/KTO with another TRL) are refused here on every
+    rank (with a reference model earlier, when TRL prepares it); TRL's sampling trainers (GRPO,
     RLOO) under tp > 1 too, before they generate: every process samples its own completions,
     so the ranks of a tp group would see different tokens."""
 
@@ -55,14 +57,21 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
     def wrapper(self: Any, model: Any, inputs: dict[str, Any]) -> Any:
         accelerator = getattr(self, "accelerator", None)
         cp_mesh = getattr(accelerator, "_qwen35_cp_mesh", None)
+        whole_rows = False
         if cp_mesh is not None and (trainer := trl_trainer(self, TRL_LOGPROB_TRAINERS)) is not None:
-            raise trl_under_cp_error(trainer, cp_mesh.size())
+            from .trl_whole_rows import whole_rows_supported
+
+            whole_rows, trl_version = whole_rows_supported(trainer)
+            if not whole_rows:
+                raise trl_under_cp_error(trainer, cp_mesh.size(), trl_version)
         tp_size = getattr(getattr(accelerator, "parallelism_config", None), "tp_size", 1) or 1
         if tp_size > 1 and (trainer := trl_trainer(self, TRL_SAMPLING_TRAINERS)) is not None and any(
             getattr(m, "_qwen35_accel_prepared", False) for m in getattr(accelerator, "_models", [])
         ):
             raise trl_under_tp_error(trainer, tp_size)
         _refuse_logits_consumers_of_vocab_slices(self, accelerator)
+        if whole_rows:
+            return contextlib.nullcontext, inputs
         if cp_mesh is not None and isinstance(inputs, Mapping) and (  # collators may return a BatchEncoding
             inputs.get("input_ids") is not None or inputs.get("inputs_embeds") is not None
         ):

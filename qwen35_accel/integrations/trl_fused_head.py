@@ -10,6 +10,10 @@ silently. The patch point below wraps `add_fused_lm_head` as each TRL trainer mo
 it: TRL's head is installed as usual, and at call time a model whose lm_head is
 vocab-parallel computes the same outputs with `linear_token_stats`, which combines the vocab
 slices over the tp group. Every other model runs TRL's head unchanged.
+
+Under context parallelism the same patch point gives TRL's whole-row calls (unshifted `labels`,
+as DPO and KTO pass them) the per-token fields of whole rows: a forward pre-hook shards the call
+with the CP layout, and the forward gathers the fields back (`trl_whole_rows`).
 """
 
 from __future__ import annotations
@@ -110,7 +114,8 @@ def _vocab_parallel_fused_forward(
 def trl_add_fused_lm_head(original: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper of TRL's `add_fused_lm_head` as a trainer module imports it: TRL's head, and
     for a model whose lm_head is (or becomes, at preparation) vocab-parallel, the exact
-    vocab-parallel head at call time."""
+    vocab-parallel head at call time; for a model under (or later put under) context
+    parallelism, whole-row calls sharded on entry and their per-token fields gathered back."""
 
     @functools.wraps(original)
     def wrapper(
@@ -120,11 +125,13 @@ def trl_add_fused_lm_head(original: Callable[..., Any]) -> Callable[..., Any]:
         outputs: tuple[str, ...] = ("log_probs",),
     ) -> None:
         from .targets import is_dense_qwen35_module
+        from .trl_whole_rows import WHOLE_ROWS_KWARG, add_whole_rows_hook, gather_whole_rows
 
         original(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=outputs)
         if not is_dense_qwen35_module(model):
             return
         trl_forward = model.forward
+        add_whole_rows_hook(model)
 
         @functools.wraps(type(model).forward)
         def forward(
@@ -136,15 +143,18 @@ def trl_add_fused_lm_head(original: Callable[..., Any]) -> Callable[..., Any]:
             num_items_in_batch: Any = None,
             **kwargs: Any,
         ) -> Any:
+            whole_rows = kwargs.pop(WHOLE_ROWS_KWARG, None)  # set by the pre-hook: this rank's chunks of whole rows
             if fused_lm_head and getattr(self, VOCAB_GROUP_ATTR, None) is not None:
-                return _vocab_parallel_fused_forward(
+                output = _vocab_parallel_fused_forward(
                     self, args, kwargs, labels, shift_labels, num_items_in_batch,
                     temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=tuple(outputs),
                 )
-            return trl_forward(
-                *args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
-                num_items_in_batch=num_items_in_batch, **kwargs,
-            )
+            else:
+                output = trl_forward(
+                    *args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
+                    num_items_in_batch=num_items_in_batch, **kwargs,
+                )
+            return output if whole_rows is None else gather_whole_rows(output, whole_rows, num_items_in_batch)
 
         setattr(forward, FUSED_HEAD_ATTR, True)
         model.forward = types.MethodType(forward, model)

@@ -1,13 +1,18 @@
-"""TRL's trainers the plugin knows: which compute log-probabilities, which sample; how to
-recognise one; the errors that refuse them under context or tensor parallelism."""
+"""TRL's trainers the plugin knows: which compute log-probabilities, which of those run on whole
+rows under context parallelism, which sample; how to recognise one; the errors that refuse them
+under context or tensor parallelism."""
 
 from __future__ import annotations
 
 from typing import Any
 
-# TRL trainers that compute log-probabilities of whole sequences from the logits they receive
-# (under CP: this rank's chunks), so they cannot run under our context parallelism.
+# TRL trainers that compute log-probabilities of whole sequences from `model(..., fused_lm_head=True)`:
+# the Trainer must not shard their batches under context parallelism.
 TRL_LOGPROB_TRAINERS = ("DPOTrainer", "GRPOTrainer", "RLOOTrainer", "KTOTrainer")
+# Those that run under qwen35_accel's CP with TRL 1.16 (`trl_whole_rows`): their fused-head calls on
+# whole rows are sharded on entry and the per-token fields gathered back. GRPO and RLOO generate
+# (no generation under CP) and stay refused.
+TRL_WHOLE_ROW_TRAINERS = ("DPOTrainer", "KTOTrainer")
 # TRL trainers that sample completions per process: each process gets its own seed
 # (`set_seed(..., device_specific=True)`) and its slice of the batch by process index, so
 # the ranks of a tp group would generate, and then train on, different sequences.
@@ -31,9 +36,19 @@ def trl_under_tp_error(trainer: str, tp_size: int) -> NotImplementedError:
     )
 
 
-def trl_under_cp_error(trainer: str, cp_size: int) -> NotImplementedError:
+def trl_under_cp_error(trainer: str, cp_size: int, trl_version: str | None = None) -> NotImplementedError:
+    """The refusal of `trainer` under context parallelism: GRPO/RLOO always; DPO/KTO outside TRL's
+    tested range (`trl_version`: the installed one)."""
+    if trainer in TRL_WHOLE_ROW_TRAINERS:
+        return NotImplementedError(
+            f"TRL's {trainer} under context parallelism (cp_size={cp_size}) runs with qwen35_accel for TRL 1.16.x only "
+            f"(found trl {trl_version}): its log-probabilities of whole rows are computed through TRL 1.16's fused LM "
+            f"head, whose internals the plugin was written against. Install trl>=1.16,<1.17, or run {trainer} with "
+            "cp_size 1."
+        )
     return NotImplementedError(
         f"TRL's {trainer} under context parallelism (cp_size={cp_size}) is not supported for Qwen3.5 by "
-        "qwen35_accel: TRL computes log-probabilities from the logits it receives, which under CP are this rank's "
-        f"sequence chunks. Run {trainer} with cp_size 1 (FSDP2 and tensor parallelism work)."
+        f"qwen35_accel: {trainer} generates its completions, which the model under CP cannot (no cache), and its "
+        f"log-probabilities are not computed over whole rows yet. Run {trainer} with cp_size 1 (FSDP2 works); "
+        "DPOTrainer and KTOTrainer run under CP."
     )

@@ -1,0 +1,90 @@
+"""TRL's `DPOTrainer` and `KTOTrainer`, unchanged (tests/scripts/trl_dpo.py, trl_kto.py), under
+context parallelism (cp 2; DPO also dp 2 × cp 2) through `accelerate launch`, against one process
+on the same global batch:
+every value TRL and the Trainer log per step (`trainer_state.json`, training and evaluation) —
+loss, grad norm, `rewards/*`, `logps/*`, `logits/*`, `entropy`, `mean_token_accuracy`, KTO's
+`kl`, and the counts (`num_tokens`, exactly).
+
+Each cp rank holds the same whole rows; TRL's fused head shards them on entry and gathers the
+per-token fields back (`integrations/trl_whole_rows.py`). TRL's metric gathers inside these
+trainers would return each row cp times: `num_tokens` doubles, and precomputed reference
+log-probs (`*-precompute` variants) come back duplicated and land on other rows.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _parity import assert_same_log_history, log_history
+
+from qwen35_accel.testing.launch import REPO, accelerate_launch_command, describe, run_launch
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
+
+DPO, KTO = REPO / "tests" / "scripts" / "trl_dpo.py", REPO / "tests" / "scripts" / "trl_kto.py"
+DPO_VARIANTS = "sigmoid,ipo,sigmoid-precompute"
+KTO_VARIANTS = "kto,kto-precompute"
+
+
+def _run(command: list[str]) -> None:
+    result = run_launch(command)
+    assert result.returncode == 0, describe(result)
+    assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
+
+
+def _trained(out: Path, metric: str) -> None:
+    """Four training steps and two evaluations logged, and the policy moved away from the reference."""
+    logged = log_history(out)
+    assert sum("loss" in e for e in logged) == 4 and sum("eval_loss" in e for e in logged) == 2, logged
+    assert max(abs(e[metric]) for e in logged if metric in e) > 0, logged
+
+
+@pytest.fixture(scope="module")
+def dpo_one_process(tmp_path_factory) -> Path:
+    single = tmp_path_factory.mktemp("dpo") / "single"
+    _run([sys.executable, str(DPO), str(single), "4", "--variants", DPO_VARIANTS, "--eval"])  # the launches' global batch
+    for variant in DPO_VARIANTS.split(","):
+        _trained(single / variant, "rewards/chosen")
+    return single
+
+
+@pytest.mark.parametrize("config,per_device", [("cpu_fsdp2_cp2.yaml", "4"), ("cpu_fsdp2_dp2_cp2.yaml", "2")],
+                         ids=["cp2", "dp2xcp2"])
+def test_dpo_trainer_under_cp_logs_what_one_process_logs(tmp_path, dpo_one_process, config, per_device):
+    """Sigmoid and IPO (which divides by the completions' lengths) with a reference model, and the
+    reference log-probs precomputed over the dataset: one launch, the variants one after the other."""
+    out = tmp_path / "run"
+    _run(accelerate_launch_command(config, DPO, str(out), per_device, "--variants", DPO_VARIANTS, "--eval"))
+    for variant in DPO_VARIANTS.split(","):
+        # fp32 rtol 1e-5: the reduction order over chunks and ranks; atol 1e-6: the rewards are
+        # beta × (log-prob − reference log-prob), differences of terms of ~6 (beta 0.1 × ~60 nats).
+        assert_same_log_history(out / variant, dpo_one_process / variant, rtol=1e-5, atol=1e-6)
+
+
+def test_dpo_trainer_with_lora_under_cp_logs_what_one_process_logs(tmp_path):
+    """No reference model: TRL takes the reference log-probs from the policy with its adapters off."""
+    single, cp2 = tmp_path / "single", tmp_path / "cp2"
+    _run([sys.executable, str(DPO), str(single), "4", "lora", "--variants", "sigmoid", "--eval"])
+    _run(accelerate_launch_command("cpu_fsdp2_cp2.yaml", DPO, str(cp2), "4", "lora", "--variants", "sigmoid", "--eval"))
+    _trained(single / "sigmoid", "rewards/chosen")
+    assert_same_log_history(cp2 / "sigmoid", single / "sigmoid", rtol=1e-5, atol=1e-6)  # as above
+
+
+def test_kto_trainer_under_cp_logs_what_one_process_logs(tmp_path):
+    """Rows of their own lengths (the plugin pads them to a multiple of 2·cp), the KL term from
+    mismatched completions, with a reference model and with precomputed reference log-probs."""
+    single, cp2 = tmp_path / "single", tmp_path / "cp2"
+    _run([sys.executable, str(KTO), str(single), "4", KTO_VARIANTS])
+    _run(accelerate_launch_command("cpu_fsdp2_cp2.yaml", KTO, str(cp2), "4", KTO_VARIANTS))
+    for variant in KTO_VARIANTS.split(","):
+        _trained(single / variant, "rewards/chosen")
+        # As DPO's; `kl` apart: a mean of (policy − reference) log-probs of ~40 nats each, ~0.2
+        # after the updates: fp32 rounding of its terms (~3e-6) is its absolute noise.
+        assert_same_log_history(cp2 / variant, single / variant, rtol=1e-5, atol=1e-6, skip=("kl", "eval_kl"))
+        got, want = ([e.get("kl", e.get("eval_kl")) for e in log_history(d / variant) if "kl" in e or "eval_kl" in e]
+                     for d in (cp2, single))
+        assert any(k > 0 for k in want), want
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from _dist import run_world
+from qwen35_accel.testing.saved_tensors import saved_storage_bytes
 from qwen35_accel.memory import (
     MemoryEstimate,
     ModelShape,
@@ -200,6 +201,28 @@ def test_predicted_bytes_match_the_unmodified_model_at_another_shape(dtype):
     want = estimate(ModelShape.from_config(tiny_text_config(**shape)), Parallel(), options)
     for part, tolerance in (("activations", ACTIVATION_TOLERANCE), ("loss", TOLERANCE)):
         assert abs(getattr(want, part) / got[part] - 1) <= tolerance, (part, getattr(want, part), got[part])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gated_delta_net_layer_keeps_what_torch_kernels_are_predicted_to_keep(dtype):
+    """One GatedDeltaNet decoder layer of the unmodified model, alone: with as many key as
+    value heads or fewer (repeated), at whole chunks of the rule and at a padded length. In
+    fp32 the rule's cast aliases its inputs (strided views; views of the conv's output)."""
+    from qwen35_accel.memory import layer_activations
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, tiny_text_config
+
+    for k_heads in (4, 2):
+        shape = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     head_dim=16, linear_num_key_heads=k_heads, linear_num_value_heads=4, linear_key_head_dim=32,
+                     linear_value_head_dim=32, linear_conv_kernel_dim=4, vocab_size=64, layer_types=["linear_attention"])
+        layer = build_tiny_causal_lm(seed=0, dtype=dtype, **shape).model.layers[0]
+        for seq in (256, 136):  # 4 whole chunks; 136 padded to 192
+            rows = 2
+            hidden = torch.randn(rows, seq, 64, dtype=dtype, requires_grad=True)
+            _, got = saved_storage_bytes(lambda: layer(hidden, position_embeddings=None), exclude=list(layer.parameters()))
+            options = StepOptions(seq_len=seq, batch_size=rows, compute_bytes=dtype.itemsize, param_bytes=dtype.itemsize, device="cpu")
+            want = layer_activations(ModelShape.from_config(tiny_text_config(**shape)), "linear_attention", Parallel(), options)
+            assert abs(want / got - 1) <= ACTIVATION_TOLERANCE, (k_heads, seq, dtype, want, got)
 
 
 def _measured_loss_peak(mode: str, dtype: torch.dtype, tokens: int, hidden: int, vocab: int, tile: int) -> int:

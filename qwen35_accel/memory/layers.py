@@ -34,7 +34,9 @@ def torch_gated_delta_rule(
     `strided`: the inputs are strided views that the rule's fp32 cast leaves as they are
     (fp32 inputs: the cast aliases them; CP's summaries): when the length is a multiple
     of the chunk the no-op pad leaves them strided and the batched matmuls keep contiguous
-    copies, four more [*, k_dim] tensors (one fewer with a single chunk), as measured.
+    copies, four more [*, k_dim] tensors (one fewer with a single chunk), as measured
+    (with several rows and repeated query/key heads, one [chunk, k_dim] tensor per row
+    and head fewer: not counted, 0.6 % of a layer at 4 chunks, less at more).
     `conv_value`: query and key are views of the conv's fp32 output (fp32 inputs with as
     many key as value heads, so nothing repeats them): the l2 norm's saved input pins that
     whole output, its value part included, one [length, v_dim] tensor more.

@@ -21,7 +21,6 @@ import time
 from typing import Any
 
 from .config import (
-    DTYPE_BYTES,
     VISION_TOWER_CHOICES,
     PlanError,
     load_yaml,
@@ -34,10 +33,6 @@ from .config import (
 from .text import print_plan
 
 __all__ = ["VISION_TOWER_CHOICES", "PlanError", "memory_options", "plan", "print_plan"]
-
-
-def _dtype_bytes(dtype: Any) -> int:
-    return DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 4)
 
 
 def plan(
@@ -61,14 +56,11 @@ def plan(
     "frozen", or "none" (the text model alone, as `AutoModelForCausalLM` loads it);
     `image_tokens`: image and video tokens per rank's micro-batch, whole sequences (0: a
     text-only step)."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     from ..integrations.settings import PluginSettings
     from ..parallel.fsdp import describe_prefetch, fsdp_units
     from .comm import cp_comm
     from .layout import by_layer, meta_model, parallelize, unit_rows, vision_report
-    from .step import Precision, step_memory
+    from .step import step_memory
 
     started = time.perf_counter()
     cluster = load_yaml(config)
@@ -82,16 +74,7 @@ def plan(
         raise PlanError(f"--seq-len {seq_len} is not divisible by 2*cp = {2 * sizes['cp']}; pass a multiple of it")
     vision_tower = vision_tower_choice(model, net_config, vision_tower, image_tokens, batch_size * seq_len)
 
-    storage = getattr(net_config, "dtype", None) or torch.float32
-    if isinstance(storage, str):
-        storage = getattr(torch, storage)
-    net, parts = meta_model(net_config, storage, vision_tower)
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed)
-    if compute is not None:  # as Accelerate: fp32 master weights, compute in the policy's dtype
-        for p in net.parameters():
-            if p.requires_grad:
-                p.data = p.data.to(torch.float32)
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute is not None else None)
+    net, parts, policy, precision = meta_model(net_config, vision_tower, mixed)
     total_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     total_params = sum(p.numel() for p in net.parameters())
     settings = PluginSettings.from_env()
@@ -104,8 +87,6 @@ def plan(
     tower = None
     if error is None and parts.vision_model is not None and vision_tower != "none":
         tower = vision_report(parts.vision_model, units, vision_rows, shards, settings.frozen_multimodal_sharding)
-    precision = Precision(storage=_dtype_bytes(storage), param=4 if compute is not None else _dtype_bytes(storage),
-                          compute=_dtype_bytes(compute or storage))
     memory, tower_step = step_memory(
         net_config, sizes, precision, run, settings, seq_len=seq_len, batch_size=batch_size, optimizer=optimizer,
         activation_checkpointing=checkpointing, vision_tower=vision_tower, image_tokens=image_tokens,

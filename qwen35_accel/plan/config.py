@@ -12,6 +12,11 @@ VISION_TOWER_CHOICES = ("trainable", "frozen", "none")
 BACKENDS = ("nccl", "gloo")
 
 
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a torch dtype (4 for one not listed)."""
+    return DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 4)
+
+
 class PlanError(Exception):
     """A configuration `plan` cannot lay out; the message names what to change."""
 

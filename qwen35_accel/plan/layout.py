@@ -7,26 +7,40 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .config import PlanError
+from .config import PlanError, dtype_bytes
+from .step import Precision
 
 
-def meta_model(config: Any, storage: Any, vision_tower: str) -> tuple[Any, Any]:
-    """(the model a run would load, on the meta device, its `Qwen35Parts`): the VLM
-    (`AutoModelForImageTextToText`) for a config with a vision tower unless `vision_tower`
-    is "none", then frozen if "frozen" (before Accelerate's upcast, which leaves frozen
-    parameters in their storage dtype)."""
+def meta_model(config: Any, vision_tower: str, mixed_precision: str) -> tuple[Any, Any, Any, Precision]:
+    """(the model a run would load, on the meta device; its `Qwen35Parts`; the FSDP2
+    mixed-precision policy; its `Precision`): the VLM (`AutoModelForImageTextToText`) for a
+    config with a vision tower unless `vision_tower` is "none", frozen if "frozen", in the
+    config's dtype; under `mixed_precision` bf16/fp16 its trainable parameters upcast to fp32
+    as Accelerate does (frozen ones stay in their storage dtype)."""
     import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from ..model.detect import qwen35_parts
 
+    storage = getattr(config, "dtype", None) or torch.float32
+    if isinstance(storage, str):
+        storage = getattr(torch, storage)
     auto = AutoModelForCausalLM if vision_tower == "none" else AutoModelForImageTextToText
     with torch.device("meta"):
         net = auto.from_config(config, dtype=storage)
     parts = qwen35_parts(net)
     if vision_tower == "frozen":
         parts.vision_model.requires_grad_(False)  # type: ignore[union-attr]
-    return net, parts
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+    if compute is not None:  # as Accelerate: fp32 master weights, compute in the policy's dtype
+        for p in net.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute is not None else None)
+    precision = Precision(storage=dtype_bytes(storage), param=4 if compute is not None else dtype_bytes(storage),
+                          compute=dtype_bytes(compute or storage))
+    return net, parts, policy, precision
 
 
 def parallelize(net: Any, sizes: dict[str, int], policy: Any, activation_checkpointing: bool,
@@ -118,12 +132,15 @@ def _layer_of(module: str) -> int | None:
     return None
 
 
-def by_layer(rows: list[dict[str, Any]], layer_types: tuple[str, ...]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+Rows = list[dict[str, Any]]
+
+
+def by_layer(rows: Rows, layer_types: tuple[str, ...]) -> tuple[Rows, Rows, Rows]:
     """`unit_rows` split into (decoder layers: {"layer", "type", "units"} in order, the
     vision tower's own units, the other units: embedding, tail, root, units over several layers)."""
-    layers: list[dict[str, Any]] = []
-    vision: list[dict[str, Any]] = []
-    other: list[dict[str, Any]] = []
+    layers: Rows = []
+    vision: Rows = []
+    other: Rows = []
     for unit in rows:
         if unit["modules"] and all(in_vision(m) for m in unit["modules"]):
             vision.append(unit)

@@ -101,7 +101,7 @@ def predicted_bytes(config, seq: int, world: int, device_type: str) -> int:
     CPU smoke), SGD without momentum (no state), checkpointing, the default tiled loss."""
     import importlib.util
 
-    from qwen35_accel.memory_model import ModelShape, Parallel, StepOptions, estimate
+    from qwen35_accel.memory import ModelShape, Parallel, StepOptions, estimate
 
     smoke = device_type == "cpu"
     options = StepOptions(seq_len=seq, compute_bytes=4 if smoke else 2, param_bytes=4, optimizer="none",

@@ -3,7 +3,7 @@
     python benchmarks/plan_table.py [--gpus 8] [--gpu-memory 141GB] [--smoke]
 
 No model is built and nothing runs on a GPU: every figure comes from
-`qwen35_accel.memory_model` (the memory model behind `plan`, validated against saved-tensor
+`qwen35_accel.memory` (the memory model behind `plan`, validated against saved-tensor
 hooks on CPU by tests/test_memory_model.py; its GPU kernels' figures are from what FLA's and
 causal-conv1d's autograd functions save, not measured here). Setting: bf16 mixed precision
 (fp32 master weights), AdamW, batch 1, activation checkpointing on, FSDP2 over
@@ -33,7 +33,7 @@ def _shapes(smoke: bool) -> dict[str, Any]:
     from gpu_step import COMMON, SHAPES, SMOKE_SHAPE
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-    from qwen35_accel.memory_model import ModelShape
+    from qwen35_accel.memory import ModelShape
 
     common = {k: v for k, v in COMMON.items() if k != "partial_rotary_factor"}  # the config's default is 0.25 too
     chosen = {"smoke": SMOKE_SHAPE} if smoke else {"9B": SHAPES["9B"], "27B": SHAPE_27B}
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory", default="141GB", help="memory per GPU (H200: 141 GB)")
     _report.add_arguments(parser)
     args = parser.parse_args()
-    from qwen35_accel.memory_model import Parallel, StepOptions, estimate, longest_seq_len, parse_bytes
+    from qwen35_accel.memory import Parallel, StepOptions, estimate, longest_seq_len, parse_bytes
 
     run = _report.Run()
     budget = parse_bytes(args.gpu_memory)

@@ -5,11 +5,11 @@
                       [--vision-tower trainable|frozen|none] [--image-tokens N]
     qwen35-accel env [--json]
 
-Argument parsing only: `plan` (the `plan` module) builds the model on the meta device and
+Argument parsing only: `plan` (the `plan` package) builds the model on the meta device and
 runs the real parallelizer over a fake process group of the config's world size, then
-reports the mesh, every FSDP2 unit per decoder layer, a VLM's vision tower (its units and
+reports the run it plans (device, backend, kernels: from the YAML, or `--backend`), the mesh, every FSDP2 unit per decoder layer, a VLM's vision tower (its units and
 bytes per rank) and the context-parallel layout with its per-layer communication, and the
-memory per rank of a training step (`memory_model`): whether it fits `--gpu-memory`, and
+memory per rank of a training step (the `memory` package): whether it fits `--gpu-memory`, and
 with `--suggest` the smallest cp that does; `env` (the `env` module) reports versions, the
 plugin's activation, its patch points and settings.
 """
@@ -31,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--model", required=True, help="a model directory / config.json, 'tiny' or 'tiny-vlm'")
     p_plan.add_argument("--config", required=True, help="an Accelerate YAML (accelerate_configs/…)")
     p_plan.add_argument("--seq-len", type=int, default=4096, help="sequence length for the CP traffic figures")
-    p_plan.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
-                        help="the cp group's backend (CPU runs: gloo); the automatic state exchange depends on it")
+    p_plan.add_argument("--backend", choices=("nccl", "gloo"),
+                        help="the run to plan: gloo a CPU run (torch kernels), nccl a CUDA run (FLA and causal-conv1d "
+                             "assumed installed); default: the run the YAML describes (use_cpu: true: gloo, else nccl)")
     p_plan.add_argument("--json", action="store_true")
     p_plan.add_argument("--batch-size", type=int, default=1, help="sequences per rank and step (micro-batch)")
     p_plan.add_argument("--optimizer", default="adamw",

@@ -91,7 +91,7 @@ def test_checkpointed_vision_blocks_keep_only_their_inputs(dtype):
     checkpointed, nothing is saved inside a vision block beyond what it was called with, the
     tower's bytes for backward are the memory model's checkpointed count (±10 %) and a
     fraction of the unchecked ones, the gradients unchanged. A frozen tower is not checkpointed."""
-    from qwen35_accel.memory_model import VisionShape, vision_activations
+    from qwen35_accel.memory import VisionShape, vision_activations
     from qwen35_accel.model.detect import qwen35_parts
     from qwen35_accel.parallel.activation_checkpointing import apply_activation_checkpointing, checkpoint_targets
     from qwen35_accel.testing.tiny import build_tiny_vlm

@@ -51,7 +51,7 @@ def test_plan_tiny_shows_mesh_dtype_uniform_units_and_cp_layout():
 def test_plan_reports_the_state_exchange_the_run_takes(tmp_path):
     """Per backend and cp, the exchange `auto` resolves to and its bytes (the formula
     `benchmarks/cp_comm.py` checks against the profiler); tp splits the heads."""
-    from qwen35_accel.plan import _cp_comm
+    from qwen35_accel.plan.comm import cp_comm as _cp_comm
     from qwen35_accel.parallel.context_parallel.state_exchange import exchange_bytes
     from qwen35_accel.testing.tiny import tiny_text_config
 
@@ -74,7 +74,10 @@ def test_plan_reports_the_state_exchange_the_run_takes(tmp_path):
     path = tmp_path / "cp8_tp2.yaml"
     path.write_text(text.replace("num_processes: 2", "num_processes: 16").replace("parallelism_config_cp_size: 2", "parallelism_config_cp_size: 8")
                     .replace("parallelism_config_tp_size: 1", "parallelism_config_tp_size: 2"))
-    assert cli("plan", "--model", "tiny", "--config", str(path), "--seq-len", "1024")["context_parallel"] == seen[8, 2, "nccl"]
+    assert cli("plan", "--model", "tiny", "--config", str(path), "--seq-len", "1024", "--backend", "nccl")["context_parallel"] == seen[8, 2, "nccl"]
+    # Without --backend a CPU YAML's run is over gloo.
+    assert cli("plan", "--model", "tiny", "--config", str(path), "--seq-len", "1024")["context_parallel"] == _cp_comm(
+        config, 8, 2, 1024, 4, "auto", "gloo")
     forced = cli("plan", "--model", "tiny", "--config", str(CONFIGS / "cpu_fsdp2_cp2.yaml"), "--seq-len", "1024",
                  "--backend", "gloo", env={"QWEN35_ACCEL_CP_STATE_EXCHANGE": "allgather"})["context_parallel"]
     assert forced["state_exchange"] == "allgather" and forced["state_exchange_reason"] == "QWEN35_ACCEL_CP_STATE_EXCHANGE"
@@ -96,11 +99,29 @@ def test_plan_27b_config_on_meta_adds_up_to_the_model(tmp_path):
     config.save_pretrained(tmp_path)
     p = cli("plan", "--model", str(tmp_path), "--config", str(CONFIGS / "fsdp2.yaml"))
     assert 25e9 < p["parameters"] < 29e9 and p["mixed_precision"] == "bf16"
+    # A GPU YAML is a CUDA plan on any machine, FLA and causal-conv1d assumed.
+    assert p["run"] == {"device": "cuda", "backend": "nccl", "kernels": "fla", "source": "the YAML: a GPU config (use_cpu: false)"}
+    assert (p["memory_assumptions"]["device"], p["memory_assumptions"]["fla"]) == ("cuda", True)
     assert p["sharded_bytes_all_ranks"] == p["model_bytes"] == 4 * p["parameters"]  # fp32 master weights
     assert p["bytes_per_rank_max"] * p["fsdp_shards"] >= p["model_bytes"]
     unit = p["layers"][0]["units"][0]
     assert (unit["storage"], unit["compute"]) == ("float32", "bfloat16")
     assert len(p["layers"]) == layers
+
+
+def test_plan_names_the_run_it_plans_and_backend_overrides_the_yaml():
+    """The printed plan says which run it plans: a CPU YAML's (gloo, torch kernels), or with
+    --backend the other one; the memory line counts that run's kernels."""
+    text = subprocess.run(
+        [sys.executable, "-m", "qwen35_accel.cli", "plan", "--model", "tiny", "--config", str(CONFIGS / "cpu_fsdp2.yaml"),
+         "--seq-len", "256"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert text.returncode == 0, text.stderr[-3000:]
+    assert "run planned: CPU processes over gloo, Transformers' torch GatedDeltaNet kernels (from the YAML: use_cpu: true;" in text.stdout
+    assert "torch GatedDeltaNet kernels):" in text.stdout  # the memory line
+    forced = cli("plan", "--model", "tiny", "--config", str(CONFIGS / "fsdp2.yaml"), "--seq-len", "256", "--backend", "gloo")
+    assert forced["run"] == {"device": "cpu", "backend": "gloo", "kernels": "torch", "source": "--backend gloo"}
+    assert (forced["memory_assumptions"]["device"], forced["memory_assumptions"]["fla"]) == ("cpu", False)
 
 
 @pytest.mark.slow  # a plan of its own; the other plan tests cover the command

@@ -2,8 +2,10 @@
 
 Activation and loss bytes are measured with saved-tensor hooks (distinct storages,
 parameters excluded) on a tiny-but-wide Qwen3.5 under `PARALLELIZER.apply` in a gloo world
-of 2: cp 1 (dp_shard 2), cp 2, tp 2, each with activation checkpointing off and on, tp 2 with
-a vocab-parallel lm_head, and the tiled loss in both modes (recompute, hold). Under checkpointing the
+of 2: cp 1 (dp_shard 2), cp 2, tp 2, each with activation checkpointing off and on under a
+bf16 policy and off in fp32 (what a CPU YAML runs: torch's rule then aliases its fp32
+inputs), tp 2 with a vocab-parallel lm_head, and the tiled loss in both modes (recompute,
+hold). Under checkpointing the
 layers' saved tensors are recomputed, so what stays is what the checkpoint holds: the
 tensors each checkpointed layer was called with (counted by a pre-hook).
 """
@@ -20,7 +22,8 @@ import pytest
 import torch
 
 from _dist import run_world
-from qwen35_accel.memory_model import (
+from qwen35_accel.testing.saved_tensors import saved_storage_bytes
+from qwen35_accel.memory import (
     MemoryEstimate,
     ModelShape,
     Parallel,
@@ -38,16 +41,20 @@ SHAPE = dict(
 )
 SEQ = 256
 TOLERANCE = 0.10  # the issue's bound: the model is for deciding what fits, not byte accounting
+ACTIVATION_TOLERANCE = 0.02  # activations (the decoder's saved tensors) are counted tensor by tensor
 
 
-Case = tuple[str, bool, str]  # (layout, activation checkpointing, tiled_loss: off, recompute or hold)
-TRANSFORMERS_LOSS_CASES: list[Case] = [(layout, ac, "off") for layout in ("cp1", "cp2", "tp2") for ac in (False, True)]
-TRANSFORMERS_LOSS_CASES.append(("tp2 vocab", True, "off"))
+# (layout, activation checkpointing, tiled_loss: off, recompute or hold, compute dtype: bf16 policy or fp32)
+Case = tuple[str, bool, str, str]
+TRANSFORMERS_LOSS_CASES: list[Case] = [(layout, ac, "off", "bf16") for layout in ("cp1", "cp2", "tp2") for ac in (False, True)]
+TRANSFORMERS_LOSS_CASES.append(("tp2 vocab", True, "off", "bf16"))
+# fp32 (a CPU YAML's run): the chunked rule's fp32 cast aliases its inputs; 256 tokens are whole chunks.
+TRANSFORMERS_LOSS_CASES += [(layout, False, "off", "fp32") for layout in ("cp1", "cp2", "tp2")]
 
 
 def _tiled_loss_cases(mode: str) -> list[Case]:
     # The loss does not depend on checkpointing: the tiled loss is measured with it on only.
-    return [(layout, True, mode) for layout in ("cp1", "cp2", "tp2", "tp2 vocab")]
+    return [(layout, True, mode, "bf16") for layout in ("cp1", "cp2", "tp2", "tp2 vocab")]
 
 
 def _mesh(layout: str):
@@ -62,7 +69,7 @@ def _mesh(layout: str):
     return init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard_cp", "tp"))  # tp2, tp2 vocab
 
 
-def _measure(layout: str, ac: bool, tiled: str) -> dict[str, int]:
+def _measure(layout: str, ac: bool, tiled: str, dtype: str) -> dict[str, int]:
     """{"activations", "loss"}: bytes this rank's forward keeps for backward; "parameters":
     bytes of this rank's parameter shards."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -74,7 +81,7 @@ def _measure(layout: str, ac: bool, tiled: str) -> dict[str, int]:
 
     mesh = _mesh(layout)
     model = build_tiny_causal_lm(seed=0, **SHAPE)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" else None
     vocab = layout == "tp2 vocab"
     PARALLELIZER.apply(model, mesh, mp_policy=policy, activation_checkpointing=ac, vocab_parallel_lm_head=vocab, tiled_loss=tiled)
     local = {(p._local_tensor if isinstance(p, DTensor) else p) for p in model.parameters()}
@@ -124,17 +131,22 @@ def _saved_by_part(model: torch.nn.Module, batch: dict[str, torch.Tensor], check
 
 
 def _world(rank: int, world: int, cases: list[Case], out: str) -> None:
-    results = {f"{layout} ac={ac} tiled={tiled}": _measure(layout, ac, tiled) for layout, ac, tiled in cases}
+    results = {_name(*case): _measure(*case) for case in cases}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
 
 
-def _predicted(layout: str, ac: bool, tiled: str) -> MemoryEstimate:
+def _name(layout: str, ac: bool, tiled: str, dtype: str) -> str:
+    return f"{layout} ac={ac} tiled={tiled} {dtype}"
+
+
+def _predicted(layout: str, ac: bool, tiled: str, dtype: str) -> MemoryEstimate:
     from qwen35_accel.testing.tiny import tiny_text_config
 
     parallel = {"cp1": Parallel(dp_shard=2), "cp2": Parallel(cp=2), "tp2": Parallel(tp=2),
                 "tp2 vocab": Parallel(tp=2, vocab_parallel_lm_head=True)}[layout]
-    options = StepOptions(seq_len=SEQ, compute_bytes=2, activation_checkpointing=ac, tiled_loss=tiled, device="cpu")
+    options = StepOptions(seq_len=SEQ, compute_bytes=2 if dtype == "bf16" else 4, activation_checkpointing=ac, tiled_loss=tiled,
+                          device="cpu")
     return estimate(ModelShape.from_config(tiny_text_config(**SHAPE)), parallel, options)
 
 
@@ -143,13 +155,13 @@ def _check_cases(cases: list[Case], tmp_path: Path) -> None:
     run_world(_world, 2, cases, str(out))
     measured = json.loads(out.read_text())
     rows, bad = [], []
-    for layout, ac, tiled in cases:
-        got = measured[f"{layout} ac={ac} tiled={tiled}"]
-        want = _predicted(layout, ac, tiled)
+    for case in cases:
+        got = measured[_name(*case)]
+        want = _predicted(*case)
         for part in ("activations", "loss", "parameters"):
             ratio = getattr(want, part) / got[part]
-            rows.append(f"{layout} ac={ac} tiled={tiled} {part}: predicted {getattr(want, part)} measured {got[part]} ({ratio:.3f})")
-            if abs(ratio - 1) > TOLERANCE:
+            rows.append(f"{_name(*case)} {part}: predicted {getattr(want, part)} measured {got[part]} ({ratio:.3f})")
+            if abs(ratio - 1) > (ACTIVATION_TOLERANCE if part == "activations" else TOLERANCE):
                 bad.append(rows[-1])
     # With pytest -s, the table (not a QWEN35_ACCEL_* name: the plugin refuses unknown ones).
     if os.environ.get("SHOW_MEMORY_MODEL_TABLE"):
@@ -158,20 +170,21 @@ def _check_cases(cases: list[Case], tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_predicted_bytes_match_measured_within_10_percent_with_transformers_loss(tmp_path):
+def test_predicted_bytes_match_measured_with_transformers_loss_in_bf16_and_fp32(tmp_path):
     _check_cases(TRANSFORMERS_LOSS_CASES, tmp_path)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["recompute", "hold"])
-def test_predicted_bytes_match_measured_within_10_percent_with_tiled_loss(mode, tmp_path):
+def test_predicted_bytes_match_measured_with_tiled_loss(mode, tmp_path):
     _check_cases(_tiled_loss_cases(mode), tmp_path)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_predicted_bytes_match_the_unmodified_model_at_another_shape(dtype):
-    """One process, Transformers' model as is: key heads = value heads, 2 rows of a length
-    the chunked rule pads, fp32 (where casts alias) and bf16."""
+    """One process, Transformers' model as is: key heads = value heads (nothing repeats the
+    query and key: in fp32 they stay views of the conv's output), 2 rows of a length the
+    chunked rule pads, fp32 (where casts alias) and bf16."""
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch, tiny_text_config
 
     shape = dict(
@@ -186,8 +199,30 @@ def test_predicted_bytes_match_the_unmodified_model_at_another_shape(dtype):
     options = StepOptions(seq_len=seq, batch_size=rows, compute_bytes=dtype.itemsize, param_bytes=dtype.itemsize, device="cpu",
                           tiled_loss="off")
     want = estimate(ModelShape.from_config(tiny_text_config(**shape)), Parallel(), options)
-    for part in ("activations", "loss"):
-        assert abs(getattr(want, part) / got[part] - 1) <= TOLERANCE, (part, getattr(want, part), got[part])
+    for part, tolerance in (("activations", ACTIVATION_TOLERANCE), ("loss", TOLERANCE)):
+        assert abs(getattr(want, part) / got[part] - 1) <= tolerance, (part, getattr(want, part), got[part])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gated_delta_net_layer_keeps_what_torch_kernels_are_predicted_to_keep(dtype):
+    """One GatedDeltaNet decoder layer of the unmodified model, alone: with as many key as
+    value heads or fewer (repeated), at whole chunks of the rule and at a padded length. In
+    fp32 the rule's cast aliases its inputs (strided views; views of the conv's output)."""
+    from qwen35_accel.memory import layer_activations
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, tiny_text_config
+
+    for k_heads in (4, 2):
+        shape = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     head_dim=16, linear_num_key_heads=k_heads, linear_num_value_heads=4, linear_key_head_dim=32,
+                     linear_value_head_dim=32, linear_conv_kernel_dim=4, vocab_size=64, layer_types=["linear_attention"])
+        layer = build_tiny_causal_lm(seed=0, dtype=dtype, **shape).model.layers[0]
+        for seq in (256, 136):  # 4 whole chunks; 136 padded to 192
+            rows = 2
+            hidden = torch.randn(rows, seq, 64, dtype=dtype, requires_grad=True)
+            _, got = saved_storage_bytes(lambda: layer(hidden, position_embeddings=None), exclude=list(layer.parameters()))
+            options = StepOptions(seq_len=seq, batch_size=rows, compute_bytes=dtype.itemsize, param_bytes=dtype.itemsize, device="cpu")
+            want = layer_activations(ModelShape.from_config(tiny_text_config(**shape)), "linear_attention", Parallel(), options)
+            assert abs(want / got - 1) <= ACTIVATION_TOLERANCE, (k_heads, seq, dtype, want, got)
 
 
 def _measured_loss_peak(mode: str, dtype: torch.dtype, tokens: int, hidden: int, vocab: int, tile: int) -> int:
@@ -223,7 +258,7 @@ def test_predicted_loss_peak_matches_measured_within_10_percent(mode, dtype):
     gradients it hands back) against the measured peak of the loss path, in fp32 and bf16:
     8 tiles of 64 tokens at vocab 8192 (the tile's logits as large as the weight's gradient,
     so both terms are tested)."""
-    from qwen35_accel.memory_model import loss_saved, loss_transient
+    from qwen35_accel.memory import loss_saved, loss_transient
     from qwen35_accel.testing.tiny import tiny_text_config
 
     tokens, hidden, vocab, tile = 512, 64, 8192, 64
@@ -290,7 +325,9 @@ def test_plan_json_says_whether_it_fits_and_suggests_a_cp():
     assert p["fits"] and p["margin_bytes"] == 141 * 10**9 - memory["total"] and p["suggested_cp"] == 1
     # The parameter bytes agree with the FSDP2 units the plan lays out (max over ranks: ±1 %).
     assert abs(memory["parameters"] / p["bytes_per_rank_max"] - 1) < 0.01
-    assert p["memory_assumptions"]["device"] == "cuda" and p["memory_assumptions"]["seq_len"] == 1024
+    # A CPU YAML (use_cpu: true) plans the CPU run: gloo, torch's GatedDeltaNet kernels.
+    assert p["run"] == {"device": "cpu", "backend": "gloo", "kernels": "torch", "source": "the YAML: use_cpu: true"}
+    assert p["memory_assumptions"]["device"] == "cpu" and p["memory_assumptions"]["seq_len"] == 1024
     small = _plan("--seq-len", "1024", "--gpu-memory", "1MiB")
     assert small.returncode == 0 and "does not fit in 1.00 MiB" in small.stdout, small.stderr[-3000:]
 

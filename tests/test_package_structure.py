@@ -191,3 +191,13 @@ def test_the_check_finds_a_cycle_through_a_deferred_import_and_names_it(tmp_path
     cycles = import_cycles(graph)
     assert cycles == [["pkg.registry", "pkg.sub.wrappers", "pkg.registry"]]
     assert _describe(cycles[0], graph) == "pkg.registry (line 1) -> pkg.sub.wrappers (line 6) -> pkg.registry"
+
+
+MODULE_MAX_LINES = 450  # a module holds one idea; past this it holds several (split it by concern)
+
+
+def test_no_module_of_the_package_is_over_450_lines():
+    sizes = {path.relative_to(PACKAGE.parent): len(path.read_text().splitlines()) for path in sorted(PACKAGE.rglob("*.py"))}
+    assert len(sizes) > 20 and max(sizes.values()) > 100  # the files are read
+    over = [f"{path}: {lines} lines" for path, lines in sizes.items() if lines > MODULE_MAX_LINES]
+    assert not over, f"modules over {MODULE_MAX_LINES} lines (split them by concern):\n" + "\n".join(over)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from _dist import run_world
-from qwen35_accel.memory_model import ModelShape, Parallel, StepOptions, VisionShape, estimate, vision_activations
+from qwen35_accel.memory import ModelShape, Parallel, StepOptions, VisionShape, estimate, vision_activations
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS, SEQ = 2, 16  # per rank: random_vlm_batch gives each row one 16-patch image (4 image tokens)

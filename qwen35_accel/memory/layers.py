@@ -1,0 +1,156 @@
+"""What the decoder keeps for backward: per layer kind (GatedDeltaNet, gated attention, MLP,
+norms) with the kernels the step runs, or each layer's input under activation checkpointing."""
+
+from __future__ import annotations
+
+from .shapes import CHUNK, Device, ModelShape, Parallel, StepOptions
+
+
+def _rms_norm(tokens: int, width: int) -> int:
+    """Qwen3.5's RMSNorm (fp32 inside): the fp32 input and normalised output, the inverse
+    norm per row, and (1 + weight) in fp32."""
+    return tokens * (8 * width + 4) + 4 * width
+
+
+def _norms_and_residuals(shape: ModelShape, tokens: int) -> int:
+    """A decoder layer's two norms; the residual adds keep nothing."""
+    return 2 * _rms_norm(tokens, shape.hidden)
+
+
+def _mlp(shape: ModelShape, tokens: int, c: int, tp: int) -> int:
+    """Input (the norm's output, c), gate and up outputs, SiLU output, their product (c)."""
+    return tokens * shape.hidden * c + 4 * tokens * (shape.intermediate // tp) * c
+
+
+def torch_gated_delta_rule(
+    rows: int, length: int, v_heads: int, k_dim: int, v_dim: int, *, strided: bool = False, conv_value: bool = False
+) -> int:
+    """Bytes torch's reference chunked rule keeps for one call on [rows, length] tokens
+    (fp32 inside whatever the input dtype; query/key already repeated to v_heads).
+
+    Per head and token: the l2-normalised query and key inputs with their inverse norms;
+    six [*, k_dim] and three [*, v_dim] fp32 tensors over the padded length; five
+    [chunk, chunk] matrices per chunk; four decay vectors; the state entering each chunk.
+    `strided`: the inputs are strided views that the rule's fp32 cast leaves as they are
+    (fp32 inputs: the cast aliases them; CP's summaries): when the length is a multiple
+    of the chunk the no-op pad leaves them strided and the batched matmuls keep contiguous
+    copies, four more [*, k_dim] tensors (one fewer with a single chunk), as measured
+    (with several rows and repeated query/key heads, one [chunk, k_dim] tensor per row
+    and head fewer: not counted, 0.6 % of a layer at 4 chunks, less at more).
+    `conv_value`: query and key are views of the conv's fp32 output (fp32 inputs with as
+    many key as value heads, so nothing repeats them): the l2 norm's saved input pins that
+    whole output, its value part included, one [length, v_dim] tensor more.
+    """
+    padded = -(-length // CHUNK) * CHUNK
+    chunks = padded // CHUNK
+    per_row = (
+        2 * v_heads * length * (k_dim + 1)
+        + v_heads * padded * (6 * k_dim + 3 * v_dim + 5 * CHUNK + 4)
+        + chunks * v_heads * (k_dim * v_dim + 1)
+    )
+    if strided and padded == length:
+        per_row += (4 if chunks > 1 else -1) * v_heads * padded * k_dim
+    if conv_value:
+        per_row += v_heads * length * v_dim
+    return 4 * rows * per_row + CHUNK * CHUNK  # + the bool causal mask, shared by the rows
+
+
+def fla_gated_delta_rule(tokens: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, input_bytes: int) -> int:
+    """Bytes FLA's `chunk_gated_delta_rule` keeps (its autograd function's saved tensors):
+    the normalised q and k and v in the input dtype, the inverse norms and the cumulative
+    decay in fp32, beta, and the solved [tokens, v_heads, 64] triangular blocks."""
+    i = input_bytes
+    return tokens * (2 * k_heads * k_dim * i + 2 * k_heads * 4 + v_heads * v_dim * i + v_heads * (4 + i) + v_heads * CHUNK * i)
+
+
+def _gated_delta_net(shape: ModelShape, rows: int, tokens: int, c: int, parallel: Parallel, fla: bool) -> int:
+    """One GatedDeltaNet mixer (no norms around it), this rank's heads."""
+    tp, cp = parallel.tp, parallel.cp
+    hv, hk, dk, dv = shape.v_heads // tp, shape.k_heads // tp, shape.k_dim, shape.v_dim
+    conv_dim = shape.conv_dim // tp
+    value = hv * dv
+    total = tokens * shape.hidden * c  # the projections' input
+    total += 2 * tokens * hv * 4 + 2 * hv * 4  # the fp32 decay gate: softplus input and output
+    total += tokens * hv * c  # beta (sigmoid output)
+    # the gated norm on [tokens * heads, v_dim]: fp32 input, gate and SiLU output, the
+    # normalised and the gated products in c, inverse norms
+    total += tokens * value * (3 * 4 + 2 * c) + tokens * hv * 4
+    total += tokens * value * c  # out_proj's input
+    local = tokens // rows
+    if not fla:
+        halo = shape.conv_kernel - 1
+        if cp == 1:  # Transformers' conv: its input, and the SiLU's input over seq + K − 1
+            total += rows * conv_dim * (2 * local + halo) * c
+            fp32 = c == 4  # the rule's fp32 cast then aliases its inputs instead of copying them
+            total += torch_gated_delta_rule(rows, local, hv, dk, dv, strided=fp32, conv_value=fp32 and hk == hv)
+        else:  # each of the two chunks convolved behind its halo (input; SiLU input, K − 1 wider)
+            total += rows * conv_dim * (2 * local + 6 * halo) * c
+            total += _cp_gated_delta_rule_cpu(rows, local // 2, hv, dk, dv)
+    else:
+        total += tokens * conv_dim * c  # causal-conv1d keeps its input (SiLU fused)
+        if cp == 1:
+            total += fla_gated_delta_rule(tokens, hk, hv, dk, dv, c)
+        else:  # chunk summaries: fp32 inputs, values [v | 0], an initial state per chunk, o0 and w
+            total += 2 * fla_gated_delta_rule(tokens // 2, hk, hv, dk, dv + dk, 4)
+            total += tokens * hv * (dv + dk) * 4 + 2 * rows * hv * dk * (dv + 2 * dk) * 4
+    return total
+
+
+def _cp_gated_delta_rule_cpu(rows: int, half: int, v_heads: int, k_dim: int, v_dim: int) -> int:
+    """`cp_gated_delta_rule` on CPU for one rank's two chunks of `half` tokens each: two
+    summaries by torch's rule on values [v | 0] from the state [0 | I], and reading the
+    incoming state (o0 and w, kept by the einsum, and the state), plus the state exchange's
+    fold (transitions and states, independent of the sequence)."""
+    per_chunk = torch_gated_delta_rule(rows, half, v_heads, k_dim, v_dim + k_dim, strided=True)
+    per_chunk += rows * half * v_heads * (v_dim + k_dim) * 4 + rows * v_heads * k_dim * v_dim * 4
+    exchange = rows * v_heads * k_dim * (3 * k_dim + 2 * v_dim) * 4
+    return 2 * per_chunk + exchange
+
+
+def _attention(shape: ModelShape, rows: int, tokens: int, c: int, parallel: Parallel, device: Device) -> int:
+    """One gated full-attention mixer (no norms around it), this rank's heads."""
+    tp, cp = parallel.tp, parallel.cp
+    q, kv = shape.heads // tp * shape.head_dim, shape.kv_heads // tp * shape.head_dim
+    heads = shape.heads // tp
+    total = tokens * shape.hidden * c  # the projections' input
+    # q_norm / k_norm: fp32 input (in fp32: q_proj's whole output, query and gate), normalised
+    # output, inverse norms
+    total += tokens * q * (8 + (4 if c == 4 else 0)) + tokens * heads * 4 + 4 * shape.head_dim
+    total += tokens * kv * 8 + tokens * (shape.kv_heads // tp) * 4 + 4 * shape.head_dim
+    total += 3 * tokens * q * c  # the output, the gate's sigmoid, o_proj's input
+    total += tokens * q * c  # the rotated query
+    if cp == 1:
+        total += 2 * tokens * kv * c  # the rotated key, the value
+        total += tokens * q * c + tokens * heads * 4  # SDPA's output and log-sum-exp
+    else:  # the all-gathered keys and values of the whole sequence
+        total += 2 * tokens * cp * kv * c
+        if device != "cpu":  # on CPU the chunks' attention is recomputed in backward
+            total += tokens * q * c + tokens * heads * 4
+    return total
+
+
+def layer_activations(shape: ModelShape, kind: str, parallel: Parallel, options: StepOptions) -> int:
+    """Bytes one decoder layer of `kind` keeps for backward on a rank, without checkpointing."""
+    rows = options.batch_size
+    tokens = rows * options.seq_len // parallel.cp
+    c = options.compute_bytes
+    if kind == "linear_attention":
+        mixer = _gated_delta_net(shape, rows, tokens, c, parallel, options.fla and options.device == "cuda")
+    else:
+        mixer = _attention(shape, rows, tokens, c, parallel, options.device)
+    return mixer + _mlp(shape, tokens, c, parallel.tp) + _norms_and_residuals(shape, tokens)
+
+
+def activations(shape: ModelShape, parallel: Parallel, options: StepOptions) -> int:
+    """Bytes the decoder keeps for backward on a rank (the loss path apart)."""
+    tokens = options.batch_size * options.seq_len // parallel.cp
+    c = options.compute_bytes
+    outside = 8 * tokens + _rms_norm(tokens, shape.hidden)  # token ids, the final norm
+    if shape.full_layers:
+        outside += 2 * tokens * shape.rotary_dim * c  # cos and sin, shared by the attention layers
+    if options.activation_checkpointing:  # what each checkpoint holds: the layer's input, the positions
+        return outside + shape.layers * tokens * shape.hidden * c + 8 * tokens
+    return outside + sum(
+        count * layer_activations(shape, kind, parallel, options)
+        for kind, count in (("linear_attention", shape.linear_layers), ("full_attention", shape.full_layers))
+    )

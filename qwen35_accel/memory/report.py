@@ -1,0 +1,132 @@
+"""What `plan` says about memory: `memory_report` (the `--json` keys), its lines
+(`describe`, `describe_vision`), the smallest cp that fits (`suggest_cp`), the longest
+context that fits (`longest_seq_len`) and memory sizes as users write them (`parse_bytes`)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict
+from typing import Any
+
+from .shapes import Parallel, StepOptions
+from .step import step_estimate
+from .vision import VisionTower
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'141GB', '139.8 GiB', '80000MB', '1024' (bytes) -> bytes; ValueError otherwise."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"{text!r} is not a memory size; pass a positive number with a unit, e.g. 141GB, 139.8GiB or 80000MB"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def suggest_cp(
+    shape: ModelShape, parallel: Parallel, options: StepOptions, gpu_bytes: int, vision: VisionTower | None = None
+) -> int | None:
+    """The smallest cp (checkpointing on) whose plan fits `gpu_bytes` with the same world
+    size and tp (cp taken from dp_shard), or None. cp must divide the world left by tp and
+    dp_replicate, and 2·cp must divide seq_len. `vision`: a VLM's tower (`step_estimate`)."""
+    budget = parallel.world // (parallel.tp * parallel.dp_replicate)
+    checkpointed = _replace(options, activation_checkpointing=True)
+    for cp in range(1, budget + 1):
+        if budget % cp or options.seq_len % (2 * cp if cp > 1 else 1):
+            continue
+        candidate = Parallel(parallel.dp_replicate, budget // cp, cp, parallel.tp, parallel.vocab_parallel_lm_head)
+        if step_estimate(shape, candidate, checkpointed, vision).total <= gpu_bytes:
+            return cp
+    return None
+
+
+def longest_seq_len(
+    shape: ModelShape, parallel: Parallel, options: StepOptions, gpu_bytes: int, step: int = 1024,
+    vision: VisionTower | None = None,
+) -> int:
+    """The longest multiple of `step` (and of 2·cp) whose plan fits `gpu_bytes`; 0 if none.
+    `vision`: a VLM's tower, its image tokens unchanged (`step_estimate`)."""
+    step = math.lcm(step, 2 * parallel.cp)
+    if step_estimate(shape, parallel, _replace(options, seq_len=step), vision).total > gpu_bytes:
+        return 0
+    low, high = 1, 2
+    while step_estimate(shape, parallel, _replace(options, seq_len=high * step), vision).total <= gpu_bytes:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if step_estimate(shape, parallel, _replace(options, seq_len=middle * step), vision).total <= gpu_bytes:
+            low = middle
+        else:
+            high = middle
+    return low * step
+
+
+def _replace(options: StepOptions, **changes: Any) -> StepOptions:
+    return StepOptions(**{**asdict(options), **changes})
+
+
+def _gib(n: int) -> str:
+    """Bytes in GiB (MiB below 1 GiB: tiny models)."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def memory_report(
+    shape: ModelShape, parallel: Parallel, options: StepOptions, gpu_bytes: int | None = None, suggest: bool = False,
+    vision: VisionTower | None = None,
+) -> dict[str, Any]:
+    """What `plan --json` carries: `memory_per_rank` (bytes), the step it assumes, and with
+    `gpu_bytes` whether it fits (`fits`, `margin_bytes` = gpu_bytes − total) and, with
+    `suggest`, `suggested_cp` (`suggest_cp`; None if no cp fits). `vision`: a VLM's tower,
+    included in `memory_per_rank` (`step_estimate`)."""
+    per_rank = step_estimate(shape, parallel, options, vision).as_dict()
+    report: dict[str, Any] = {"memory_per_rank": per_rank, "memory_assumptions": asdict(options)}
+    if gpu_bytes is not None:
+        report.update(gpu_memory_bytes=gpu_bytes, fits=per_rank["total"] <= gpu_bytes, margin_bytes=gpu_bytes - per_rank["total"])
+        if suggest:
+            report["suggested_cp"] = suggest_cp(shape, parallel, options, gpu_bytes, vision)
+    return report
+
+
+def describe(report: dict[str, Any], gpus: int) -> list[str]:
+    """`memory_report` as the lines `plan` prints."""
+    m, o = report["memory_per_rank"], report["memory_assumptions"]
+    loss = f"tiled loss ({o['tiled_loss']})" if o["tiled_loss"] != "off" else "Transformers' loss"
+    kernels = "FLA/causal-conv1d" if o["fla"] and o["device"] == "cuda" else "torch"
+    lines = [
+        f"memory per rank (seq_len {o['seq_len']}, batch {o['batch_size']}, {o['optimizer']}, "
+        f"checkpointing {'on' if o['activation_checkpointing'] else 'off'}, {loss}, {kernels} GatedDeltaNet kernels):",
+        "  " + ", ".join(f"{key} {_gib(value)}" for key, value in m.items() if key != "total"),
+        f"  total {_gib(m['total'])}",
+    ]
+    if "fits" in report:
+        margin, budget = report["margin_bytes"], _gib(report["gpu_memory_bytes"])
+        lines.append(f"  fits in {budget}: {_gib(margin)} to spare" if report["fits"]
+                     else f"  does not fit in {budget}: {_gib(-margin)} over")
+    if "suggested_cp" in report:
+        cp = report["suggested_cp"]
+        lines.append(
+            f"  suggested: cp {cp} with activation checkpointing (the smallest that fits; dp_shard takes the rest of the {gpus} GPUs)" if cp
+            else f"  suggested: none: no cp on {gpus} GPUs fits, even with activation checkpointing"
+        )
+    return lines
+
+
+def describe_vision(tower: dict[str, Any]) -> list[str]:
+    """The vision tower's memory line under `describe`'s; `tower`: `plan`'s `vision_tower`
+    (`layout`, `image_tokens`, `patches_per_rank`, `cp`, `memory_per_rank` from `vision_estimate`)."""
+    if tower["image_tokens"]:
+        step = f"{tower['image_tokens']} image tokens per micro-step, {tower['patches_per_rank']} patches per rank"
+        if tower["cp"] > 1:
+            step += f", assumed split evenly over the cp {tower['cp']} ranks"
+    else:
+        step = "a text-only step: --image-tokens 0" + (
+            f", the placeholder image's {tower['patches_per_rank']} patches" if tower["layout"] == "units" else "")
+    memory = tower["memory_per_rank"]
+    return [f"  of which vision tower ({step}): "
+            + ", ".join(f"{key} {_gib(value)}" for key, value in memory.items() if key not in ("loss", "total"))]

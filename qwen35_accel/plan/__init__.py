@@ -1,0 +1,119 @@
+"""`qwen35-accel plan`: what a launch will do, without GPUs or weights.
+
+`plan` builds the model on the meta device and runs the real parallelizer in one
+process over a fake process group of the config's world size (torch's "fake" backend:
+collectives are no-ops, shapes and placements are real), then reports the run it plans
+(a CPU YAML: CPU processes over gloo with torch's kernels; a GPU YAML: CUDA over nccl with
+FLA and causal-conv1d, on any machine), the mesh, every FSDP2 unit per decoder layer
+(modules, storage/compute dtype, parameters, bytes per rank), a VLM's vision tower (its
+units, or where else FSDP2 holds it, and its bytes per rank), the context-parallel layout
+with its per-layer communication, and the memory of a training step per rank.
+
+Modules: `config` (the YAML, the run, the options), `layout` (the meta model as the
+parallelizer lays it out), `comm` (CP traffic), `step` (the memory model's inputs),
+`text` (the printed plan).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from .config import (
+    VISION_TOWER_CHOICES,
+    PlanError,
+    load_yaml,
+    memory_options,
+    mesh_sizes,
+    model_config,
+    planned_run,
+    vision_tower_choice,
+)
+from .text import print_plan
+
+__all__ = ["VISION_TOWER_CHOICES", "PlanError", "memory_options", "plan", "print_plan"]
+
+
+def plan(
+    model: str,
+    config: str,
+    seq_len: int = 4096,
+    backend: str | None = None,
+    *,
+    batch_size: int = 1,
+    optimizer: str = "adamw",
+    gpu_memory: int | None = None,
+    suggest: bool = False,
+    vision_tower: str | None = None,
+    image_tokens: int = 0,
+) -> dict[str, Any]:
+    """The plan as a dict (what `plan --json` prints). `backend`: None plans the run the
+    YAML describes (`planned_run`: a CPU YAML over gloo with torch's kernels, else CUDA over
+    nccl with FLA), "gloo" or "nccl" that run instead (the cp group's automatic state
+    exchange depends on it too); `gpu_memory` bytes per GPU for the verdict
+    (`memory.memory_report`). `vision_tower` (a VLM config): "trainable" (default),
+    "frozen", or "none" (the text model alone, as `AutoModelForCausalLM` loads it);
+    `image_tokens`: image and video tokens per rank's micro-batch, whole sequences (0: a
+    text-only step)."""
+    from ..integrations.settings import PluginSettings
+    from ..parallel.fsdp import describe_prefetch, fsdp_units
+    from .comm import cp_comm
+    from .layout import by_layer, meta_model, parallelize, unit_rows, vision_report
+    from .step import step_memory
+
+    started = time.perf_counter()
+    cluster = load_yaml(config)
+    sizes = mesh_sizes(cluster)
+    run = planned_run(cluster, backend)
+    mixed = str(cluster.mixed_precision or "no").lower()
+    fsdp = cluster.fsdp_config or {}
+    checkpointing = bool(fsdp.get("fsdp_activation_checkpointing"))
+    net_config = model_config(model)
+    if seq_len % (2 * sizes["cp"]):
+        raise PlanError(f"--seq-len {seq_len} is not divisible by 2*cp = {2 * sizes['cp']}; pass a multiple of it")
+    vision_tower = vision_tower_choice(model, net_config, vision_tower, image_tokens, batch_size * seq_len)
+
+    net, parts, policy, precision = meta_model(net_config, vision_tower, mixed)
+    total_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    total_params = sum(p.numel() for p in net.parameters())
+    settings = PluginSettings.from_env()
+    error = parallelize(net, sizes, policy, checkpointing, fsdp.get("fsdp_reshard_after_forward", True), settings)
+
+    shards = sizes["dp_shard"] * sizes["cp"]
+    units = fsdp_units(net) if error is None else []
+    rows = unit_rows(net, units, shards, sizes["tp"]) if units else []
+    layers, vision_rows, other = by_layer(rows, parts.layer_types)
+    tower = None
+    if error is None and parts.vision_model is not None and vision_tower != "none":
+        tower = vision_report(parts.vision_model, units, vision_rows, shards, settings.frozen_multimodal_sharding)
+    memory, tower_step = step_memory(
+        net_config, sizes, precision, run, settings, seq_len=seq_len, batch_size=batch_size, optimizer=optimizer,
+        activation_checkpointing=checkpointing, vision_tower=vision_tower, image_tokens=image_tokens,
+        gpu_memory=gpu_memory, suggest=suggest,
+    )
+    if tower is not None and tower_step is not None:
+        tower.update(tower_step)
+    replicated = tower["replicated_bytes_per_rank"] if tower else 0
+    return {
+        "model": model if model in ("tiny", "tiny-vlm") else os.path.abspath(model),
+        "architecture": type(net).__name__.removeprefix("FSDP"),
+        "config": os.path.abspath(config),
+        "run": run.as_dict(),
+        "mesh": sizes,
+        "fsdp_shards": shards,
+        "mixed_precision": mixed,
+        "parameters": total_params,
+        "model_bytes": total_bytes,
+        "sharded_bytes_all_ranks": sum(u["bytes_all_ranks"] for u in rows) + replicated,
+        "bytes_per_rank_max": sum(u["bytes_per_rank_max"] for u in rows) + replicated,
+        "layers": layers,
+        "other_units": other,
+        "vision_tower": tower,
+        "prefetch": describe_prefetch(net) if error is None else {},
+        "context_parallel": cp_comm(net_config.get_text_config(), sizes["cp"], sizes["tp"], seq_len, precision.compute,
+                                    settings.cp_state_exchange, run.backend),
+        "tensor_parallel": {"tp": sizes["tp"], "status": error or ("none" if sizes["tp"] == 1 else "applied")},
+        **memory,
+        "seconds": round(time.perf_counter() - started, 2),
+    }

@@ -35,8 +35,12 @@ def _leaving_state_worker(rank: int, world: int, marker: str) -> None:
     import torch
 
     assert "QWEN35_POOL_LEFTOVER" not in os.environ, "a previous task's environment leaked"
+    import warnings
+
     assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
+    warnings.warn("a FutureWarning the previous task's filter would turn into an error", FutureWarning)
     os.environ["QWEN35_POOL_LEFTOVER"] = marker
+    warnings.simplefilter("error", FutureWarning)
     torch.set_default_dtype(torch.float64)
     torch.set_grad_enabled(False)
     dist.all_reduce(torch.ones(1))

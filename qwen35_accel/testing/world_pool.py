@@ -6,8 +6,9 @@ Spawning a world costs every rank its imports (torch, Transformers, this package
 test that spawns one. A pooled world pays it once. Each task runs as in a fresh world
 (`run_local_world`'s contract: `fn(rank, world_size, *args)` on every rank, an exception on
 any rank re-raised here with its traceback, a hard timeout that prints every rank's stacks),
-and what a task may leave behind is put back after it: environment variables, the default
-dtype, grad mode, thread count, Accelerate's singletons. A world whose task failed or timed
+and what a task may leave behind is put back after it: environment variables, `sys.path`,
+warning filters, the default dtype, grad mode, deterministic algorithms, thread count,
+Accelerate's singletons. A world whose task failed or timed
 out is killed and spawned afresh for the next one, since its ranks may be stuck inside a
 collective. `QWEN35_TESTING_FRESH_WORLDS=1` spawns a world per task instead.
 """
@@ -21,6 +22,7 @@ import queue
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,10 +35,16 @@ from ..local_world import _DUMP_SIGNAL, DEFAULT_TIMEOUT_S, _dump_stacks_and_kill
 FRESH_WORLDS_VARIABLE = "QWEN35_TESTING_FRESH_WORLDS"
 
 
-def _reset_process_state(environ: dict[str, str], dtype: torch.dtype, threads: int) -> None:
+def _reset_process_state(
+    environ: dict[str, str], path: list[str], filters: list[Any], dtype: torch.dtype, deterministic: bool, threads: int
+) -> None:
     """Put back what a task may have changed in this rank's process."""
     os.environ.clear()
     os.environ.update(environ)
+    sys.path[:] = path
+    warnings.filters[:] = filters  # a task's simplefilter("error", ...) must not reach the next one
+    getattr(warnings, "_filters_mutated", lambda: None)()  # drop cached per-module verdicts (CPython)
+    torch.use_deterministic_algorithms(deterministic)
     torch.set_default_dtype(dtype)
     torch.set_grad_enabled(True)
     torch.set_num_threads(threads)
@@ -58,7 +66,8 @@ def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> N
     if _DUMP_SIGNAL is not None:
         faulthandler.register(_DUMP_SIGNAL, all_threads=True)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    environ, dtype = dict(os.environ), torch.get_default_dtype()
+    environ, path, filters = dict(os.environ), list(sys.path), list(warnings.filters)
+    dtype, deterministic = torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled()
     while (task := tasks.get()) is not None:
         fn, args, threads = task
         torch.set_num_threads(threads)
@@ -70,7 +79,7 @@ def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> N
             sys.stdout.flush()
             sys.stderr.flush()
             time.sleep(3600)  # peers may be stuck in a collective: the parent kills us all
-        _reset_process_state(environ, dtype, threads)
+        _reset_process_state(environ, path, filters, dtype, deterministic, threads)
         results.put((rank, None))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..parallel.collectives import all_gather_flat
 from ..parallel.losses import IGNORE_INDEX
 from ..parallel.mesh import mesh_dim_size
 from .activation import TRL
@@ -76,7 +77,7 @@ def _check_same_rows(input_ids: torch.Tensor, labels: torch.Tensor, attention_ma
         (input_ids.long() * weights).sum(), (labels.long() * weights).sum(), (mask.long() * weights).sum(),
     ])
     gathered = summary.new_empty(dist.get_world_size(group), summary.numel())
-    dist.all_gather(list(gathered.unbind(0)), summary, group=group)
+    all_gather_flat(gathered.view(-1), summary, group=group)  # the collectives' flat gather, as everywhere
     if not bool((gathered == gathered[0]).all()):
         raise ValueError(
             "a fused-head call with unshifted `labels` (TRL's whole-row form) under context parallelism needs the same "

@@ -1,7 +1,7 @@
 """A policy and a frozen reference model per run, against one process: TRL's `DPOTrainer`
 with a `ref_model` (tests/scripts/trl_dpo.py) and a custom loop's
-`accelerator.prepare(model, ref_model, optimizer)` (tests/scripts/two_models.py); TRL's
-`GRPOTrainer` with its reference model (tests/scripts/trl_grpo.py)."""
+`accelerator.prepare(model, ref_model, optimizer)` (tests/scripts/two_models.py). GRPO's and
+RLOO's reference models: tests/test_trl_sampling_launch.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from _parity import assert_same_log_history, log_history
 from qwen35_accel.testing.launch import (
     REPO,
     accelerate_launch_command,
-    assert_refused_on_every_rank,
     describe,
     run_launch,
 )
@@ -55,30 +54,6 @@ def test_dpo_trainer_with_a_reference_model_matches_one_process(tmp_path, config
     # fp32 rtol 1e-5: FSDP2's (and tp's) reduction order; atol 1e-6: rewards/margins is chosen minus
     # rejected rewards (each up to ~0.25, so 1e-5 of them), and the first step's rewards are zero.
     assert_same_log_history(out, dpo_one_process, rtol=1e-5, atol=1e-6)
-
-
-def test_grpo_trainer_reference_model_gets_our_units_and_cp_and_tp_are_refused(tmp_path):
-    """GRPO samples its completions, so runs over different process counts draw different
-    ones (no one-process oracle per step); what is checked: the reference model TRL loads
-    is prepared by qwen35_accel (stock TRL: one fully_shard over the whole model), it
-    computes exactly the policy's log-probabilities before the first update (KL 0 in
-    fp32), the policy then moves away from it; CP is refused on every rank, and so is TP
-    (TRL seeds every process differently, so the ranks of a tp group would sample
-    different completions: silently wrong logits otherwise)."""
-    script = REPO / "tests" / "scripts" / "trl_grpo.py"
-    out = tmp_path / "fsdp2"
-    stderr = _run(accelerate_launch_command("cpu_fsdp2.yaml", script, str(out), "2"))
-    assert stderr.count(PREPARED) == 2, "the reference model did not get qwen35_accel's units"  # policy, reference
-    logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "kl" in e]
-    assert [e["kl"] for e in logged][0] == 0.0 and logged[1]["kl"] > 0, logged
-    assert all(torch.isfinite(torch.tensor([e["loss"], e["grad_norm"]])).all() for e in logged), logged
-    result = run_launch(accelerate_launch_command("cpu_fsdp2_cp2.yaml", script, str(tmp_path / "cp2"), "2"))
-    assert result.returncode != 0 and not result.leftover_processes, describe(result)
-    for rank in (0, 1):
-        assert f"[rank{rank}]: NotImplementedError: TRL's GRPOTrainer under context parallelism (cp_size=2)" in result.stderr, describe(result)
-    result = run_launch(accelerate_launch_command("cpu_fsdp2_tp2.yaml", script, str(tmp_path / "tp2"), "2"))
-    # Every rank refuses (the same condition everywhere).
-    assert_refused_on_every_rank(result, "NotImplementedError", "TRL's GRPOTrainer under tensor parallelism (tp_size=2)")
 
 
 @pytest.mark.parametrize("config", ["cpu_fsdp2.yaml", "cpu_fsdp2_cp2.yaml"], ids=["fsdp2", "cp2"])

@@ -18,6 +18,7 @@ from . import (
     several_models,
     step_hooks,
     trl_fused_head,
+    trl_sampling,
     trl_whole_rows,
 )
 from .activation import ACCELERATE, TRANSFORMERS, TRL, PatchPoint
@@ -119,7 +120,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         PatchPoint(
             f"trl.trainer.{module}", "prepare_fsdp", several_models.trl_prepare_fsdp(trainer), TRL,
             f"{trainer}'s reference model, dense Qwen3.5 under FSDP2: our units and CP/TP layers (stock TRL: one "
-            "fully_shard on the whole model); under cp refused for GRPO/RLOO",
+            "fully_shard on the whole model)",
         )
         for module, trainer in (("dpo_trainer", "DPOTrainer"), ("grpo_trainer", "GRPOTrainer"),
                                 ("rloo_trainer", "RLOOTrainer"), ("kto_trainer", "KTOTrainer"))
@@ -145,6 +146,44 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         )
         for module, trainer in (("dpo_trainer", "DPOTrainer"), ("kto_trainer", "KTOTrainer"))
         for method in ("compute_loss", "_precompute_ref_logps")
+    ),
+    *(
+        point
+        for module, trainer in (("grpo_trainer", "GRPOTrainer"), ("rloo_trainer", "RLOOTrainer"))
+        for point in (
+            PatchPoint(
+                f"trl.trainer.{module}", f"{trainer}.get_train_dataloader", trl_sampling.trl_sampling_setup, TRL,
+                f"{trainer} on a dense Qwen3.5 model under cp or tp > 1, before train() reads the generation batch: "
+                "each cp×tp group one data-parallel replica: "
+                "seeded seed + dp index (stock: + process index), generation_batch_size counting dp replicas (stock: "
+                "processes); vLLM, continuous batching, rollout functions, tools, environments (and images under cp) "
+                "refused on every rank",
+            ),
+            *(
+                PatchPoint(
+                    f"trl.trainer.{module}", f"{trainer}.{method}", trl_sampling.trl_replica_view, TRL,
+                    f"{trainer}.{method} on a dense Qwen3.5 model under cp or tp > 1: the trainer's accelerator seen "
+                    "as the replica's for the call (process_index the dp index, num_processes dp, gathers keeping one "
+                    "copy of each group's rows; stock: cp*tp copies and per-process slices)",
+                )
+                for method in ("_generate_and_score_completions", "_compute_loss")
+            ),
+            PatchPoint(
+                f"trl.trainer.{module}", f"{trainer}._generate_single_turn", trl_sampling.trl_generate_without_cp, TRL,
+                f"{trainer} generation on a dense Qwen3.5 model under cp or tp > 1: the model's CP paused (whole "
+                "sequences and a cache on every rank; stock: refused, the CP model takes no cache)",
+            ),
+            PatchPoint(
+                f"trl.trainer.{module}", "gather", trl_sampling.trl_gather_once, TRL,
+                f"{trainer}'s module-level gather (rewards, RLOO's KL) inside a replica view: one copy per replica "
+                "(stock: cp*tp copies)",
+            ),
+            PatchPoint(
+                f"trl.trainer.{module}", "gather_object", trl_sampling.trl_gather_object_once, TRL,
+                f"{trainer}'s module-level gather_object (logged prompts, completions, metric names) inside a "
+                "replica view: the replicas' leading ranks only (stock: cp*tp copies)",
+            ),
+        )
     ),
 )
 

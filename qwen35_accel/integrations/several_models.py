@@ -85,9 +85,9 @@ def prepare(original: Callable[..., Any]) -> Callable[..., Any]:
 def trl_prepare_fsdp(trainer: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The wrapper of TRL's `prepare_fsdp(model, accelerator)` as `trainer`'s module imports it
     (its reference model): for a dense Qwen3.5 model under FSDP2, `prepare_extra_model`, in
-    eval mode, as TRL leaves it. Under context parallelism DPO and KTO (TRL 1.16) get their
-    reference model's log-probabilities of whole rows as the policy's (`trl_whole_rows`);
-    GRPO/RLOO are refused: they generate, which CP cannot."""
+    eval mode, as TRL leaves it. Under context parallelism DPO, KTO, GRPO and RLOO (TRL 1.16)
+    get their reference model's log-probabilities of whole rows as the policy's
+    (`trl_whole_rows`); with another TRL they are refused."""
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)

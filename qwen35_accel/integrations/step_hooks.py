@@ -45,13 +45,13 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
     """`Trainer._prepare_context_parallel_inputs`: under our cp, pad the batch to a multiple
     of 2·cp first (padding-free collators such as `DataCollatorWithFlattening` make rows of
     any length; only here are the keys, and so each buffer's pad value, known). TRL's DPO and
-    KTO trainers (TRL 1.16) are not sharded here: they compute per-sequence quantities from
-    the fused head's per-token fields of whole rows, which the head's call shards and gathers
-    back itself (`trl_whole_rows`); the batch stays whole on every cp rank. TRL's other
-    log-probability trainers (GRPO, RLOO; DPO/KTO with another TRL) are refused here on every
-    rank (with a reference model earlier, when TRL prepares it); TRL's sampling trainers (GRPO,
-    RLOO) under tp > 1 too, before they generate: every process samples its own completions,
-    so the ranks of a tp group would see different tokens."""
+    KTO trainers, and GRPO and RLOO (TRL 1.16), are not sharded here: they compute per-sequence
+    quantities from the fused head's per-token fields of whole rows, which the head's call shards
+    and gathers back itself (`trl_whole_rows`); the batch stays whole on every cp rank. With
+    another TRL they are refused here on every rank (with a reference model earlier, when TRL
+    prepares it); GRPO/RLOO under tp > 1 too, before they generate: stock TRL samples per
+    process, so the ranks of a tp group would see different tokens (`trl_sampling` makes
+    each group one replica for TRL 1.16)."""
 
     @functools.wraps(original)
     def wrapper(self: Any, model: Any, inputs: dict[str, Any]) -> Any:
@@ -68,7 +68,11 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
         if tp_size > 1 and (trainer := trl_trainer(self, TRL_SAMPLING_TRAINERS)) is not None and any(
             getattr(m, "_qwen35_accel_prepared", False) for m in getattr(accelerator, "_models", [])
         ):
-            raise trl_under_tp_error(trainer, tp_size)
+            from .activation import TRL
+
+            supported, trl_version = TRL.check()
+            if not supported:
+                raise trl_under_tp_error(trainer, tp_size, trl_version)
         _refuse_logits_consumers_of_vocab_slices(self, accelerator)
         if whole_rows:
             return contextlib.nullcontext, inputs

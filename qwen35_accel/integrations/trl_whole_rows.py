@@ -64,6 +64,60 @@ class WholeRows:
     cp_mesh: DeviceMesh
     seq: int  # the rows' length before padding
     label_mask: torch.Tensor  # [rows, seq - 1] bool: TRL's label mask of the whole rows
+    lead: torch.Tensor | None = None  # [rows] long: left padding moved to the row's end (`_left_align`), or None
+
+
+def _left_align(kwargs: dict[str, Any], seq: int) -> torch.Tensor | None:
+    """Left-padded rows (GRPO's prompts are; the completions right-padded after them) made
+    right-padded in place in `kwargs`, as CP takes them: each row's leading padding moved to
+    its end, `position_ids` kept as the row had them (arange over the padded row when absent),
+    the moved padding continuing them. A change of layout only: a leading padded token adds
+    nothing to GatedDeltaNet's state (its input is zeroed) and no attention reads it, and
+    rotary positions are kept. Returns the rows' leading pad counts [rows] (None when no row
+    starts with padding). NotImplementedError when a label would be scored from a padded
+    position (the first real token labelled: stock scores it from a pad's hidden state)."""
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        return None
+    mask = mask.bool()
+    lead = (mask.long().cumsum(1) == 0).sum(1)  # [rows] leading padded tokens
+    if not bool(lead.any()):
+        return None
+    labels = kwargs["labels"]
+    column = torch.arange(seq, device=mask.device)
+    scored_from_pad = (column[1:] <= lead[:, None]) & (labels[:, 1:] != IGNORE_INDEX)
+    if bool(scored_from_pad.any()):
+        raise NotImplementedError(
+            "TRL's fused head on left-padded rows under context parallelism: a label is set on a row's first real token "
+            f"(rows {sorted(set(scored_from_pad.nonzero()[:, 0].tolist()))}), which one process would score from a "
+            "padded position's hidden state. Mask the prompt's labels (-100), as TRL's GRPO/RLOO do."
+        )
+    index = (column + lead[:, None]) % seq  # aligned position j holds the row's token j + lead
+    moved = column >= seq - lead[:, None]  # the leading padding, now at the end
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = column + lead[:, None]
+    elif position_ids.dim() != 2:
+        raise NotImplementedError("left-padded rows under context parallelism take 2-D position_ids (or none)")
+    else:
+        position_ids = position_ids.gather(1, index)
+        real = (~moved).sum(1)
+        last = position_ids.gather(1, (real - 1).clamp(min=0)[:, None])
+        position_ids = torch.where(moved, last + column - real[:, None] + 1, position_ids)
+    kwargs["position_ids"] = position_ids
+    kwargs["input_ids"] = kwargs["input_ids"].gather(1, index)
+    kwargs["attention_mask"] = kwargs["attention_mask"].gather(1, index)
+    kwargs["labels"] = labels.gather(1, index).masked_fill(moved, IGNORE_INDEX)
+    return lead
+
+
+def _restore_left_padding(field: torch.Tensor, lead: torch.Tensor) -> torch.Tensor:
+    """[rows, seq - 1] per-token values of left-aligned rows -> the rows' own layout: position
+    t of a row takes aligned position t - lead; the positions before (scored from padding:
+    none, `_left_align` checks) are 0, as TRL's head leaves unlabelled positions."""
+    column = torch.arange(field.shape[1], device=field.device)
+    source = column - lead.to(field.device)[:, None]
+    return field.gather(1, source.clamp(min=0)).masked_fill(source < 0, 0)
 
 
 def _check_same_rows(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None, group: Any) -> None:
@@ -121,10 +175,12 @@ def shard_whole_rows(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         )
     labels = kwargs["labels"]
     _check_same_rows(input_ids, labels, kwargs.get("attention_mask"), cp_mesh.get_group())
+    label_mask = labels[:, 1:] != IGNORE_INDEX  # TRL's mask of the whole rows: next-token labels
+    kwargs = dict(kwargs)
+    lead = _left_align(kwargs, seq)  # GRPO/RLOO's left-padded prompts: the layout CP takes
     batch = shard_batch(kwargs, cp_mesh)  # `shift_labels` from the whole rows' labels
     del batch["labels"]  # TRL scores `shift_labels` as given
-    label_mask = labels[:, 1:] != IGNORE_INDEX  # TRL's mask of the whole rows: next-token labels
-    batch[WHOLE_ROWS_KWARG] = WholeRows(cp_mesh=cp_mesh, seq=seq, label_mask=label_mask)
+    batch[WHOLE_ROWS_KWARG] = WholeRows(cp_mesh=cp_mesh, seq=seq, label_mask=label_mask, lead=lead)
     return args, batch
 
 
@@ -152,6 +208,8 @@ def gather_whole_rows(output: Any, whole: WholeRows, num_items_in_batch: Any) ->
     for group_dtype, group in by_dtype.items():
         stacked = torch.stack([getattr(output, name).to(group_dtype) for name in group])  # [fields, rows, local]
         gathered = gather_sequence(stacked.contiguous(), whole.cp_mesh, seq_dim=2)[..., : whole.seq - 1]
+        if whole.lead is not None:
+            gathered = torch.stack([_restore_left_padding(value, whole.lead) for value in gathered.unbind(0)])
         for name, value in zip(group, gathered.unbind(0)):
             fields[name] = value.bool() if name == "is_top1" else value
     mask = whole.label_mask.to(fields["log_probs"].device)

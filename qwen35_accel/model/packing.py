@@ -146,6 +146,28 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(torch.nonzero((a != b).reshape(-1))[0])
 
 
+def _one_document_per_padded_row(position_ids: torch.Tensor | None, attention_mask: Any, batch: int) -> bool:
+    """Whether a padded batch's `position_ids` restart only at padded tokens: left-padded
+    prompts in generation get positions like [1, 1, 0, 1, 2] (Transformers numbers the real
+    tokens from 0 and fills the padding with 1), which the position rule alone would read as
+    several documents. True when, among the real tokens, only each row's first one starts a
+    document: one sequence per row, which the stock model handles with the mask."""
+    if position_ids is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return False
+    real = attention_mask.bool()
+    if bool(real.all()):
+        return False
+    text = text_positions(position_ids, batch)
+    if text is None or text.shape != real.shape:
+        return False
+    before = real.long().cumsum(1) - real.long()  # real tokens before each position
+    # Each real token but a row's first continues the previous real token's position.
+    previous = torch.where(real, text, torch.zeros_like(text)).cummax(1).values  # positions increase within a sequence
+    expected = torch.cat([previous[:, :1], previous[:, :-1]], dim=1) + 1
+    continues = (text == expected) | (before == 0)
+    return bool((continues | ~real).all())
+
+
 def _packing_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if module.__dict__.get(SEQUENCE_SHARDED_ATTR):
         return args, kwargs
@@ -165,7 +187,7 @@ def _packing_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
         cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
         seq_idx=kwargs.get("seq_idx"),
     )
-    if layout is None:
+    if layout is None or _one_document_per_padded_row(kwargs.get("position_ids"), kwargs.get("attention_mask"), batch):
         return args, kwargs
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         raise NotImplementedError(

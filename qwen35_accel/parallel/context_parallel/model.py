@@ -10,6 +10,8 @@ integration's per-step sharding).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,6 +33,7 @@ from .state_exchange import EXCHANGES
 from .vision import install_context_parallel_vision
 
 CP_MESH_ATTR = "_qwen35_cp_mesh"
+CP_PAUSED_ATTR = "_qwen35_cp_paused"  # set by `context_parallel_paused` for its duration
 
 
 _VISION_INPUTS = ("pixel_values", "pixel_values_videos")
@@ -93,7 +96,11 @@ def _sharded_documents(
     return shard_documents(layout.starts(rows, seq), cp, rank)
 
 
-def _check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _check_inputs(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    if module.__dict__.get(CP_PAUSED_ATTR):
+        return None
     for key in ("cache", "past_key_values"):
         if kwargs.get(key) is not None:
             raise NotImplementedError("a cache (generation) is not supported under context parallelism.")
@@ -205,5 +212,38 @@ def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, state_exc
 
 
 def context_parallel_mesh(model: nn.Module) -> DeviceMesh | None:
-    """The cp mesh `install_context_parallel` put on `model`, or None."""
+    """The cp mesh `install_context_parallel` put on `model`, or None (also while paused)."""
+    if getattr(model, CP_PAUSED_ATTR, False):
+        return None
     return getattr(model, CP_MESH_ATTR, None)
+
+
+@contextlib.contextmanager
+def context_parallel_paused(model: nn.Module) -> Iterator[bool]:
+    """For the duration, a model under context parallelism computes as without it: every rank
+    runs whole sequences (any padding, caches: generation), its CP layers as the layers they
+    were made from, the input checks and the text model's packing hook as stock. Collective
+    work is FSDP2's alone (each rank gathers its units as in any forward), so every rank of
+    the mesh must run the same number of forwards, as in data-parallel generation.
+
+    `model`: the model `install_context_parallel` was given or one holding it (a PEFT or
+    Accelerate wrapper). Yields whether anything was paused (False without CP). Not reentrant
+    across threads; nested use is a no-op."""
+    holders = [m for m in model.modules() if CP_MESH_ATTR in m.__dict__ and not m.__dict__.get(CP_PAUSED_ATTR)]
+    if not holders:
+        yield False
+        return
+    layers = [m for m in model.modules() if "_cp_group" in m.__dict__]
+    groups = [m.__dict__.pop("_cp_group") for m in layers]  # the class default: None, the stock layer
+    texts = [qwen35_parts(holder).text_model for holder in holders]
+    for holder, text in zip(holders, texts):
+        holder.__dict__[CP_PAUSED_ATTR] = True
+        text.__dict__[SEQUENCE_SHARDED_ATTR] = False
+    try:
+        yield True
+    finally:
+        for layer, group in zip(layers, groups):
+            layer._cp_group = group
+        for holder, text in zip(holders, texts):
+            del holder.__dict__[CP_PAUSED_ATTR]
+            text.__dict__[SEQUENCE_SHARDED_ATTR] = True

@@ -1,0 +1,85 @@
+"""TRL's `GRPOTrainer` and `RLOOTrainer` under context and tensor parallelism, launched as a user
+launches them (tests/scripts/trl_grpo.py, unchanged between runs), against the run without cp/tp on
+the same global batch: cp 2 (dp 1) = one process, dp 2 × cp 2 = dp 2, dp 2 × tp 2 = dp 2. Each
+rank trains on the completions the process of its data-parallel index draws in that run, token for
+token, and every value logged per step (loss, grad_norm, reward, reward_std, rewards/*, kl, entropy,
+clip ratios, completion lengths and clipped ratio, num_tokens) is that run's.
+
+Variants (tests/scripts/trl_grpo.py): `dapo` (a reference model, beta 0.1), `grpo` (num_iterations
+2: old log-probs; gradient accumulation 2), `dr_grpo` (gradient accumulation 2, rewards scaled over
+the batch), `rloo` (RLOOTrainer, beta 0.1). The toy prompts differ in length (TRL pads them on the
+left); completions stop at EOS or are clipped at 8 tokens."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from _parity import assert_same_log_history, log_history
+
+from qwen35_accel.testing.launch import REPO, accelerate_launch_command, describe, run_launch
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch
+
+SCRIPT = REPO / "tests" / "scripts" / "trl_grpo.py"
+PREPARED = "Qwen3_5ForCausalLM prepared by qwen35_accel"
+PER_DEVICE = "4"  # one prompt's 4 generations per data-parallel replica and step
+CP_VARIANTS = "dapo,grpo,dr_grpo,rloo"
+DP_VARIANTS = "dapo,grpo,dr_grpo"
+
+
+def _run(command: list[str]) -> str:
+    result = run_launch(command)
+    assert result.returncode == 0, describe(result)
+    assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
+    return result.stderr
+
+
+def _assert_same_run(got: Path, want: Path, variants: str, replicas: int, ranks: int) -> None:
+    """`got`'s ranks (a cp×tp group per replica, rank-major) trained on `want`'s completions (one
+    process per replica) and logged `want`'s values."""
+    share = ranks // replicas
+    for variant in variants.split(","):
+        for rank in range(ranks):
+            seen, drawn = (json.loads((d / variant / f"completions-rank{r}.json").read_text())
+                           for d, r in ((got, rank), (want, rank // share)))
+            assert seen == drawn, f"{variant}: rank {rank} trained on other completions than replica {rank // share}"
+        # fp32 rtol 1e-5: the sharded decoder's reduction order; atol 1e-6: losses and advantages
+        # near zero (a group's mean is subtracted), KL of ~1e-4. step_time is a wall time.
+        assert_same_log_history(got / variant, want / variant, rtol=1e-5, atol=1e-6, skip=("step_time",))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("grpo") / "single"
+    _run([sys.executable, str(SCRIPT), str(out), PER_DEVICE, "--variants", CP_VARIANTS])
+    return out
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("grpo") / "dp2"
+    _run(accelerate_launch_command("cpu_fsdp2.yaml", SCRIPT, str(out), PER_DEVICE, "--variants", DP_VARIANTS))
+    return out
+
+
+def test_grpo_and_rloo_under_cp2_equal_one_process_completion_for_completion(tmp_path, one_process):
+    out = tmp_path / "cp2"
+    stderr = _run(accelerate_launch_command("cpu_fsdp2_cp2.yaml", SCRIPT, str(out), PER_DEVICE, "--variants", CP_VARIANTS))
+    assert stderr.count(PREPARED) == 7, "policy and reference models: qwen35_accel's units (grpo has no reference)"
+    _assert_same_run(out, one_process, CP_VARIANTS, replicas=1, ranks=2)
+    logged = [e for e in log_history(out / "dapo") if "kl" in e]
+    assert logged[0]["kl"] == 0.0 and logged[1]["kl"] > 0, "the reference model is the policy before its first update"
+    dapo = log_history(one_process / "dapo")[0]
+    assert 0 < dapo["completions/clipped_ratio"] < 1, "completions both stop at EOS and are clipped"
+    assert dapo["completions/min_length"] < dapo["completions/max_length"]
+
+
+@pytest.mark.parametrize("config", ["cpu_fsdp2_dp2_cp2.yaml", "cpu_fsdp2_tp2.yaml"], ids=["dp2xcp2", "dp2xtp2"])
+def test_grpo_under_dp2_times_cp2_or_tp2_equals_dp2(tmp_path, config, dp2):
+    variants = DP_VARIANTS if "cp2" in config else "dapo,grpo"
+    out = tmp_path / "run"
+    _run(accelerate_launch_command(config, SCRIPT, str(out), PER_DEVICE, "--variants", variants))
+    _assert_same_run(out, dp2, variants, replicas=2, ranks=4)

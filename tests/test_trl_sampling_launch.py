@@ -5,7 +5,8 @@ rank trains on the completions the process of its data-parallel index draws in t
 token, and every value logged per step (loss, grad_norm, reward, reward_std, rewards/*, kl, entropy,
 clip ratios, completion lengths and clipped ratio, num_tokens) is that run's.
 
-Variants (tests/scripts/trl_grpo.py): `dapo` (a reference model, beta 0.1), `grpo` (num_iterations
+Variants (tests/scripts/trl_grpo.py): `dapo_eval` (a reference model, beta 0.1; GRPO's own
+evaluation after each step, its eval_* values compared too), `grpo` (num_iterations
 2: old log-probs; gradient accumulation 2), `dr_grpo` (gradient accumulation 2, rewards scaled over
 the batch), `rloo` (RLOOTrainer, beta 0.1). The toy prompts differ in length (TRL pads them on the
 left); completions stop at EOS or are clipped at 8 tokens."""
@@ -19,15 +20,15 @@ from pathlib import Path
 import pytest
 from _parity import assert_same_log_history, log_history
 
-from qwen35_accel.testing.launch import REPO, accelerate_launch_command, describe, run_launch
+from qwen35_accel.testing.launch import REPO, accelerate_launch_command, assert_refused_on_every_rank, describe, run_launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch
 
 SCRIPT = REPO / "tests" / "scripts" / "trl_grpo.py"
 PREPARED = "Qwen3_5ForCausalLM prepared by qwen35_accel"
 PER_DEVICE = "4"  # one prompt's 4 generations per data-parallel replica and step
-CP_VARIANTS = "dapo,grpo,dr_grpo,rloo"
-DP_VARIANTS = "dapo,grpo,dr_grpo"
+CP_VARIANTS = "dapo_eval,grpo,dr_grpo,rloo"
+DP_VARIANTS = "dapo_eval,grpo,dr_grpo"
 
 
 def _run(command: list[str]) -> str:
@@ -70,16 +71,28 @@ def test_grpo_and_rloo_under_cp2_equal_one_process_completion_for_completion(tmp
     stderr = _run(accelerate_launch_command("cpu_fsdp2_cp2.yaml", SCRIPT, str(out), PER_DEVICE, "--variants", CP_VARIANTS))
     assert stderr.count(PREPARED) == 7, "policy and reference models: qwen35_accel's units (grpo has no reference)"
     _assert_same_run(out, one_process, CP_VARIANTS, replicas=1, ranks=2)
-    logged = [e for e in log_history(out / "dapo") if "kl" in e]
+    logged = [e for e in log_history(out / "dapo_eval") if "kl" in e]
+    assert any("eval_loss" in e for e in log_history(out / "dapo_eval")), "no evaluation ran"
     assert logged[0]["kl"] == 0.0 and logged[1]["kl"] > 0, "the reference model is the policy before its first update"
-    dapo = log_history(one_process / "dapo")[0]
+    dapo = log_history(one_process / "dapo_eval")[0]
     assert 0 < dapo["completions/clipped_ratio"] < 1, "completions both stop at EOS and are clipped"
     assert dapo["completions/min_length"] < dapo["completions/max_length"]
 
 
 @pytest.mark.parametrize("config", ["cpu_fsdp2_dp2_cp2.yaml", "cpu_fsdp2_tp2.yaml"], ids=["dp2xcp2", "dp2xtp2"])
 def test_grpo_under_dp2_times_cp2_or_tp2_equals_dp2(tmp_path, config, dp2):
-    variants = DP_VARIANTS if "cp2" in config else "dapo,grpo"
+    variants = DP_VARIANTS if "cp2" in config else "dapo_eval,grpo"
     out = tmp_path / "run"
     _run(accelerate_launch_command(config, SCRIPT, str(out), PER_DEVICE, "--variants", variants))
     _assert_same_run(out, dp2, variants, replicas=2, ranks=4)
+
+
+def test_a_generation_batch_that_does_not_fit_the_replicas_is_refused_on_every_rank(tmp_path):
+    """2 rows per device, 4 generations per prompt: TRL counts 2 processes (4 rows, divisible), but
+    the cp ranks hold the same rows, so each step holds half a group: refused before any step."""
+    result = run_launch(accelerate_launch_command("cpu_fsdp2_cp2.yaml", SCRIPT, str(tmp_path / "cp2"), "2"))
+    assert_refused_on_every_rank(
+        result, "ValueError", "GRPOTrainer under cp/tp: the generation batch counts data-parallel replicas (dp=1, not the 2 "
+        "processes): per_device_train_batch_size (2) x dp (1) x steps_per_generation (1) = 2, which num_generations (4) "
+        "does not divide"
+    )

@@ -98,15 +98,19 @@ def test_trl_fused_head_on_whole_rows_under_cp_equals_one_process(world, cp):
     run_world(_worker, world, cp)
 
 
-def test_dpo_and_kto_under_cp_with_another_trl_are_refused_naming_the_version():
-    """The whole-row path is written against TRL 1.16's fused head: another TRL keeps the refusal,
-    naming what was found and what is needed; GRPO/RLOO are refused whatever the version."""
+def test_trl_trainers_under_cp_or_tp_with_another_trl_are_refused_naming_the_version():
+    """The whole-row path is written against TRL 1.16's fused head, and GRPO/RLOO's replicas against
+    its sampling: another TRL keeps the refusal, naming what was found and what is needed."""
     from qwen35_accel.integrations.trl_trainers import trl_under_cp_error
     from qwen35_accel.integrations.trl_whole_rows import whole_rows_supported
 
-    assert whole_rows_supported("DPOTrainer")[0] and whole_rows_supported("KTOTrainer")[0]
-    assert not whole_rows_supported("GRPOTrainer")[0] and not whole_rows_supported("RLOOTrainer")[0]
+    from qwen35_accel.integrations.trl_trainers import trl_under_tp_error
+
+    assert all(whole_rows_supported(name)[0] for name in ("DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer"))
+    assert not whole_rows_supported("SFTTrainer")[0]  # sharded by the Trainer, not on whole rows
     message = str(trl_under_cp_error("KTOTrainer", 2, "1.17.0"))
     assert message.startswith("TRL's KTOTrainer under context parallelism (cp_size=2) runs with qwen35_accel for TRL 1.16.x")
     assert "found trl 1.17.0" in message and "trl>=1.16,<1.17" in message
-    assert "generates its completions" in str(trl_under_cp_error("GRPOTrainer", 2, "1.16.0"))
+    message = str(trl_under_tp_error("GRPOTrainer", 2, "1.17.0"))
+    assert message.startswith("TRL's GRPOTrainer under tensor parallelism (tp_size=2) runs with qwen35_accel for TRL 1.16.x")
+    assert "found trl 1.17.0" in message and "trl>=1.16,<1.17" in message

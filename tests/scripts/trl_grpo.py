@@ -4,12 +4,14 @@ TRL pads them on the left), a length reward, 2 SGD steps; losses, rewards, KL, c
 grad norms in `trainer_state.json`, and every completion each rank trained on in
 `completions-rank{R}.json` (prompt, completion token ids, in the order the reward saw them).
 
-    [accelerate launch --config_file …] tests/scripts/trl_grpo.py OUTPUT_DIR PER_DEVICE [--variants V,V…]
+    [accelerate launch --config_file …] tests/scripts/trl_grpo.py OUTPUT_DIR PER_DEVICE [--variants V,V…] [--eval]
 
 Without `--variants`: the `dapo` variant in OUTPUT_DIR. Each variant trains in OUTPUT_DIR/VARIANT,
 one after the other in this process: `dapo` (TRL's default loss, `beta` 0.1: a reference model),
 `grpo` (`num_iterations` 2: old log-probs; gradient accumulation 2; no reference), `dr_grpo`
 (`beta` 0.1, gradient accumulation 2, `scale_rewards="batch"`), `rloo` (`RLOOTrainer`, `beta` 0.1).
+`dapo_eval`, or `--eval` for every variant: an evaluation on 4 held-out prompts (4 generations each)
+after each step.
 The model's generation config stops at any of 40 tokens, so some completions end at EOS and
 others are clipped at `max_completion_length`.
 """
@@ -35,6 +37,7 @@ def reward_length(prompts: list[str], completions: list[str], completion_ids: li
 
 VARIANTS = {  # trainer, then the config's settings
     "dapo": ("grpo", {"beta": 0.1, "loss_type": "dapo"}),
+    "dapo_eval": ("grpo", {"beta": 0.1, "loss_type": "dapo"}),  # and an evaluation after each step
     "grpo": ("grpo", {"beta": 0.0, "loss_type": "grpo", "num_iterations": 2, "gradient_accumulation_steps": 2}),
     "dr_grpo": ("grpo", {"beta": 0.1, "loss_type": "dr_grpo", "gradient_accumulation_steps": 2, "scale_rewards": "batch"}),
     "rloo": ("rloo", {"beta": 0.1}),
@@ -54,17 +57,22 @@ def save_initial_model(out: str) -> Path:
     return model_dir
 
 
-def main(out: str, model_dir: Path, per_device: int, variant: str) -> None:
+def main(out: str, model_dir: Path, per_device: int, variant: str, evaluate: bool = False) -> None:
     SEEN.clear()
     tokenizer = AutoTokenizer.from_pretrained(RECIPES / "configs" / "tokenizer")
     prompts = load_dataset("json", data_files=str(RECIPES / "data" / "sft_tiny.jsonl"), split="train")
+    prompts = prompts.select_columns(["prompt"])
+    train, held_out = (prompts.select(range(4, len(prompts))), prompts.select(range(4))) if evaluate else (prompts, None)
     kind, settings = VARIANTS[variant]
     config_class, trainer_class = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
     args = config_class(
         output_dir=out,
         max_steps=2,
         per_device_train_batch_size=per_device,
+        per_device_eval_batch_size=per_device,
         num_generations=4,
+        eval_strategy="steps" if evaluate else "no",
+        eval_steps=1,
         max_completion_length=8,
         optim="sgd",
         learning_rate=0.1,
@@ -77,7 +85,7 @@ def main(out: str, model_dir: Path, per_device: int, variant: str) -> None:
         **settings,
     )
     trainer = trainer_class(model=str(model_dir), reward_funcs=reward_length, args=args,
-                            train_dataset=prompts.select_columns(["prompt"]), processing_class=tokenizer)
+                            train_dataset=train, eval_dataset=held_out, processing_class=tokenizer)
     trainer.train()
     trainer.save_state()
     (Path(out) / f"completions-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(SEEN))
@@ -88,6 +96,6 @@ if __name__ == "__main__":
     model_dir = save_initial_model(out)
     if "--variants" in rest:
         for name in rest[rest.index("--variants") + 1].split(","):
-            main(str(Path(out) / name), model_dir, per_device, name)
+            main(str(Path(out) / name), model_dir, per_device, name, evaluate="--eval" in rest or name.endswith("_eval"))
     else:
-        main(out, model_dir, per_device, "dapo")
+        main(out, model_dir, per_device, "dapo", evaluate="--eval" in rest)

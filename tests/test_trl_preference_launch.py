@@ -1,6 +1,7 @@
 """TRL's `DPOTrainer` and `KTOTrainer`, unchanged (tests/scripts/trl_dpo.py, trl_kto.py), under
-context parallelism (cp 2; DPO also dp 2 × cp 2) through `accelerate launch`, against one process
-on the same global batch:
+context parallelism (cp 2; DPO also dp 2 × cp 2) and DPO under tensor parallelism (dp 2 × tp 2,
+with and without the vocab-parallel lm_head; cp 2 × tp 2) through `accelerate launch`, against
+one process on the same global batch:
 every value TRL and the Trainer log per step (`trainer_state.json`, training and evaluation) —
 loss, grad norm, `rewards/*`, `logps/*`, `logits/*`, `entropy`, `mean_token_accuracy`, KTO's
 `kl`, and the counts (`num_tokens`, exactly).
@@ -8,7 +9,8 @@ loss, grad norm, `rewards/*`, `logps/*`, `logits/*`, `entropy`, `mean_token_accu
 Each cp rank holds the same whole rows; TRL's fused head shards them on entry and gathers the
 per-token fields back (`integrations/trl_whole_rows.py`). TRL's metric gathers inside these
 trainers would return each row cp times: `num_tokens` doubles, and precomputed reference
-log-probs (`*-precompute` variants) come back duplicated and land on other rows.
+log-probs (`*-precompute` variants) come back duplicated and land on other rows; under tp the
+same for the precomputed reference log-probs (TRL divides its token count by tp itself).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 import torch
 from _parity import assert_same_log_history, log_history
 
-from qwen35_accel.testing.launch import REPO, accelerate_launch_command, describe, run_launch
+from qwen35_accel.testing.launch import CONFIGS, REPO, accelerate_launch_command, describe, run_launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
@@ -29,8 +31,8 @@ DPO_VARIANTS = "sigmoid,ipo,sigmoid-precompute"
 KTO_VARIANTS = "kto,kto-precompute"
 
 
-def _run(command: list[str]) -> None:
-    result = run_launch(command)
+def _run(command: list[str], env: dict[str, str] | None = None) -> None:
+    result = run_launch(command, env=env)
     assert result.returncode == 0, describe(result)
     assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
 
@@ -62,6 +64,26 @@ def test_dpo_trainer_under_cp_logs_what_one_process_logs(tmp_path, dpo_one_proce
         # fp32 rtol 1e-5: the reduction order over chunks and ranks; atol 1e-6: the rewards are
         # beta × (log-prob − reference log-prob), differences of terms of ~6 (beta 0.1 × ~60 nats).
         assert_same_log_history(out / variant, dpo_one_process / variant, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("config,per_device,env", [
+    ("cpu_fsdp2_tp2.yaml", "2", {}),
+    ("cpu_fsdp2_tp2.yaml", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}),
+    ("cp2xtp2", "4", {}),
+], ids=["dp2xtp2", "dp2xtp2-vocab-parallel", "cp2xtp2"])
+def test_dpo_trainer_under_tp_logs_what_one_process_logs(tmp_path, dpo_one_process, config, per_device, env):
+    """The same variants under tp (the tp ranks hold the same rows): TRL's fused head on the
+    tp-split model (and over the vocab slices), the reference precompute's gathers counting each
+    row once. cp 2 × tp 2: the shipped dp 2 × cp 2 YAML with dp_shard 1 and tp 2 (world 4)."""
+    if config == "cp2xtp2":
+        text = (CONFIGS / "cpu_fsdp2_dp2_cp2.yaml").read_text()
+        config = tmp_path / "cp2_tp2.yaml"
+        config.write_text(text.replace("parallelism_config_dp_shard_size: 2", "parallelism_config_dp_shard_size: 1")
+                          .replace("parallelism_config_tp_size: 1", "parallelism_config_tp_size: 2"))
+    out = tmp_path / "run"
+    _run(accelerate_launch_command(config, DPO, str(out), per_device, "--variants", DPO_VARIANTS, "--eval"), env)
+    for variant in DPO_VARIANTS.split(","):
+        assert_same_log_history(out / variant, dpo_one_process / variant, rtol=1e-5, atol=1e-6)  # as under cp
 
 
 def test_dpo_trainer_with_lora_under_cp_logs_what_one_process_logs(tmp_path):

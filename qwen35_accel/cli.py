@@ -2,7 +2,7 @@
 
     qwen35-accel plan --model PATH|tiny|tiny-vlm --config accelerate_configs/X.yaml [--seq-len N] [--backend nccl|gloo] [--json]
                       [--batch-size B] [--optimizer adamw|sgd|none] [--gpu-memory 141GB [--suggest]]
-                      [--vision-tower trainable|frozen|none] [--image-tokens N]
+                      [--vision-tower trainable|frozen|none] [--image-tokens N] [--ref-model]
     qwen35-accel env [--json]
 
 Argument parsing only: `plan` (the `plan` package) builds the model on the meta device and
@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--image-tokens", type=int, default=0,
                         help="image and video tokens per rank's micro-batch, part of batch-size x seq-len "
                              "(the tower encodes merge^2 patches each); 0 (default): a text-only step")
+    p_plan.add_argument("--ref-model", action="store_true",
+                        help="the run also holds a frozen reference copy of the model (TRL's ref_model: DPO, KTO, GRPO/RLOO "
+                             "with beta > 0): its parameters sharded as the policy's, no gradients, optimizer state or "
+                             "activations")
     p_env = sub.add_parser("env", help="versions, plugin status, patch points, settings")
     p_env.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory = memory_options(args.gpu_memory, args.batch_size, args.optimizer, args.suggest)
             result = plan(args.model, args.config, args.seq_len, args.backend, batch_size=args.batch_size,
                           optimizer=args.optimizer, gpu_memory=gpu_memory, suggest=args.suggest,
-                          vision_tower=args.vision_tower, image_tokens=args.image_tokens)
+                          vision_tower=args.vision_tower, image_tokens=args.image_tokens, reference_model=args.ref_model)
         except PlanError as error:
             print(f"qwen35-accel plan: {error}", file=sys.stderr)
             return 2

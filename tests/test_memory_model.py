@@ -305,7 +305,8 @@ def test_suggested_cp_is_the_smallest_that_fits():
     assert estimate(shape, Parallel(dp_shard=8 // smaller, cp=smaller), checkpointed).total > gpu
     assert suggest_cp(shape, Parallel(dp_shard=8), options, parse_bytes("10GB")) is None
     keys = estimate(shape, Parallel(dp_shard=8), options).as_dict()
-    assert list(keys) == ["parameters", "gradients", "optimizer_states", "activations", "loss", "transient", "total"]
+    assert list(keys) == ["parameters", "gradients", "optimizer_states", "activations", "loss", "transient",
+                          "reference_parameters", "total"]
     assert keys["total"] == sum(v for k, v in keys.items() if k != "total")
 
 
@@ -330,6 +331,43 @@ def test_plan_json_says_whether_it_fits_and_suggests_a_cp():
     assert p["memory_assumptions"]["device"] == "cpu" and p["memory_assumptions"]["seq_len"] == 1024
     small = _plan("--seq-len", "1024", "--gpu-memory", "1MiB")
     assert small.returncode == 0 and "does not fit in 1.00 MiB" in small.stdout, small.stderr[-3000:]
+
+
+@pytest.mark.parametrize("parallel", [Parallel(dp_shard=8), Parallel(dp_shard=2, cp=2, tp=2),
+                                      Parallel(dp_shard=4, tp=2, vocab_parallel_lm_head=True)], ids=["dp8", "dp2xcp2xtp2", "dp4xtp2-vocab"])
+@pytest.mark.parametrize("compute_bytes,param_bytes", [(2, 4), (4, 4)], ids=["bf16-policy", "fp32"])
+def test_a_reference_model_adds_its_parameter_shards_and_nothing_else(parallel, compute_bytes, param_bytes):
+    """A frozen copy of the policy (TRL's ref_model) is held as the policy's parameters are (the
+    same FSDP2 units and tp split, the policy's parameter dtype: TRL leaves its requires_grad on,
+    so Accelerate's upcast keeps it in fp32 under a bf16 policy); no gradients, optimizer state,
+    activations or transient of its own."""
+    shape = _27b_like()
+    options = StepOptions(seq_len=32768, compute_bytes=compute_bytes, param_bytes=param_bytes)
+    alone = estimate(shape, parallel, options)
+    both = estimate(shape, parallel, StepOptions(seq_len=32768, compute_bytes=compute_bytes, param_bytes=param_bytes,
+                                                 reference_model=True))
+    assert alone.reference_parameters == 0 and both.reference_parameters == alone.parameters > 0
+    assert both.as_dict() == {**alone.as_dict(), "reference_parameters": alone.parameters,
+                              "total": alone.total + alone.parameters}
+
+
+def test_plan_counts_the_reference_model_with_ref_model():
+    """`--ref-model`: `reference_model` in --json (the policy's units and bytes per rank, no
+    gradients), `memory_per_rank["reference_parameters"]` in the total, and the text names it."""
+    runs = {flag: _plan("--seq-len", "1024", "--json", *flag) for flag in ((), ("--ref-model",))}
+    assert all(r.returncode == 0 for r in runs.values()), [r.stderr[-3000:] for r in runs.values()]
+    alone, both = (json.loads(r.stdout) for r in runs.values())
+    assert alone["reference_model"] is None and alone["memory_per_rank"]["reference_parameters"] == 0
+    reference, memory = both["reference_model"], both["memory_per_rank"]
+    assert reference["bytes_per_rank_max"] == both["bytes_per_rank_max"] == alone["bytes_per_rank_max"]
+    assert reference["gradients"] == reference["optimizer_states"] == reference["activations"] == 0
+    assert memory["reference_parameters"] == reference["memory_bytes_per_rank"] == memory["parameters"]
+    assert memory["total"] == alone["memory_per_rank"]["total"] + memory["parameters"]
+    assert both["memory_assumptions"]["reference_model"] is True
+    text = _plan("--seq-len", "1024", "--ref-model")
+    assert text.returncode == 0, text.stderr[-3000:]
+    assert "reference model (frozen copy, e.g. TRL's ref_model): the same units" in text.stdout, text.stdout
+    assert "reference model (--ref-model): a frozen copy in the policy's FSDP2 units" in text.stdout, text.stdout
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,6 +1,8 @@
 """TRL's `DPOTrainer` and `KTOTrainer`, unchanged (tests/scripts/trl_dpo.py, trl_kto.py), under
-context parallelism (cp 2; DPO also dp 2 × cp 2) through `accelerate launch`, against one process
-on the same global batch:
+context parallelism (cp 2; DPO also dp 2 × cp 2) and DPO under tensor parallelism (dp 2 × tp 2,
+with and without the vocab-parallel lm_head; cp 2 × tp 2) through `accelerate launch`, against
+one process on the same global batch (and TRL's own `trl dpo` CLI through `--accelerate_config`
+with the cp 2 YAML against the same command without it):
 every value TRL and the Trainer log per step (`trainer_state.json`, training and evaluation) —
 loss, grad norm, `rewards/*`, `logps/*`, `logits/*`, `entropy`, `mean_token_accuracy`, KTO's
 `kl`, and the counts (`num_tokens`, exactly).
@@ -8,11 +10,14 @@ loss, grad norm, `rewards/*`, `logps/*`, `logits/*`, `entropy`, `mean_token_accu
 Each cp rank holds the same whole rows; TRL's fused head shards them on entry and gathers the
 per-token fields back (`integrations/trl_whole_rows.py`). TRL's metric gathers inside these
 trainers would return each row cp times: `num_tokens` doubles, and precomputed reference
-log-probs (`*-precompute` variants) come back duplicated and land on other rows.
+log-probs (`*-precompute` variants) come back duplicated and land on other rows; under tp the
+same for the precomputed reference log-probs (TRL divides its token count by tp itself).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,7 +25,8 @@ import pytest
 import torch
 from _parity import assert_same_log_history, log_history
 
-from qwen35_accel.testing.launch import REPO, accelerate_launch_command, describe, run_launch
+from qwen35_accel.local_world import free_port
+from qwen35_accel.testing.launch import CONFIGS, REPO, accelerate_launch_command, describe, run_launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
@@ -29,10 +35,12 @@ DPO_VARIANTS = "sigmoid,ipo,sigmoid-precompute"
 KTO_VARIANTS = "kto,kto-precompute"
 
 
-def _run(command: list[str]) -> None:
-    result = run_launch(command)
+def _run(command: list[str], env: dict[str, str] | None = None) -> str:
+    """Run to completion; returns stdout and stderr together."""
+    result = run_launch(command, env=env)
     assert result.returncode == 0, describe(result)
     assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
+    return result.stdout + result.stderr
 
 
 def _trained(out: Path, metric: str) -> None:
@@ -64,6 +72,26 @@ def test_dpo_trainer_under_cp_logs_what_one_process_logs(tmp_path, dpo_one_proce
         assert_same_log_history(out / variant, dpo_one_process / variant, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("config,per_device,env", [
+    ("cpu_fsdp2_tp2.yaml", "2", {}),
+    ("cpu_fsdp2_tp2.yaml", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}),
+    ("cp2xtp2", "4", {}),
+], ids=["dp2xtp2", "dp2xtp2-vocab-parallel", "cp2xtp2"])
+def test_dpo_trainer_under_tp_logs_what_one_process_logs(tmp_path, dpo_one_process, config, per_device, env):
+    """The same variants under tp (the tp ranks hold the same rows): TRL's fused head on the
+    tp-split model (and over the vocab slices), the reference precompute's gathers counting each
+    row once. cp 2 × tp 2: the shipped dp 2 × cp 2 YAML with dp_shard 1 and tp 2 (world 4)."""
+    if config == "cp2xtp2":
+        text = (CONFIGS / "cpu_fsdp2_dp2_cp2.yaml").read_text()
+        config = tmp_path / "cp2_tp2.yaml"
+        config.write_text(text.replace("parallelism_config_dp_shard_size: 2", "parallelism_config_dp_shard_size: 1")
+                          .replace("parallelism_config_tp_size: 1", "parallelism_config_tp_size: 2"))
+    out = tmp_path / "run"
+    _run(accelerate_launch_command(config, DPO, str(out), per_device, "--variants", DPO_VARIANTS, "--eval"), env)
+    for variant in DPO_VARIANTS.split(","):
+        assert_same_log_history(out / variant, dpo_one_process / variant, rtol=1e-5, atol=1e-6)  # as under cp
+
+
 def test_dpo_trainer_with_lora_under_cp_logs_what_one_process_logs(tmp_path):
     """No reference model: TRL takes the reference log-probs from the policy with its adapters off."""
     single, cp2 = tmp_path / "single", tmp_path / "cp2"
@@ -88,3 +116,48 @@ def test_kto_trainer_under_cp_logs_what_one_process_logs(tmp_path):
                      for d in (cp2, single))
         assert any(k > 0 for k in want), want
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def _cli_inputs(root: Path) -> tuple[Path, Path]:
+    """A saved tiny model (the recipes' config, seed 0, with the recipes' tokenizer) and a
+    folder with `train.jsonl` of 32 preference pairs (prompt, its completion, the next record's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, set_seed
+
+    recipes = REPO / "recipes"
+    model, data = root / "model", root / "data"
+    set_seed(0)
+    config = AutoConfig.from_pretrained(recipes / "configs" / "tiny_qwen35.json")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model)
+    for file in (recipes / "configs" / "tokenizer").iterdir():
+        shutil.copy(file, model / file.name)
+    records = [json.loads(line) for line in (recipes / "data" / "sft_tiny.jsonl").read_text().splitlines()[:33]]
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(
+        json.dumps({"prompt": a["prompt"], "chosen": a["completion"], "rejected": b["completion"]}) + "\n"
+        for a, b in zip(records, records[1:])))
+    return model, data
+
+
+def test_trl_dpo_cli_under_cp_logs_what_one_process_logs(tmp_path):
+    """TRL's own `trl dpo` (its script, DPOConfig's defaults: Transformers' gradient checkpointing,
+    the reference model loaded from the same folder), unchanged: `--accelerate_config` with the cp 2
+    YAML against the same command without it (`accelerate launch` without a config: one process;
+    HF_HOME in tmp_path so no user default config applies). The checkpoint's log history compared."""
+    model, data = _cli_inputs(tmp_path)
+    common = [
+        "--model_name_or_path", str(model), "--dataset_name", str(data), "--max_steps", "4",
+        "--per_device_train_batch_size", "4", "--optim", "sgd", "--learning_rate", "0.3", "--lr_scheduler_type", "constant",
+        "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "4", "--save_only_model", "True",
+        "--report_to", "none", "--seed", "0", "--dataloader_drop_last", "True", "--max_length", "64",
+        "--pad_to_multiple_of", "8", "--bf16", "False",
+    ]
+    trl = [sys.executable, "-m", "trl.cli.main", "dpo"]  # the `trl` console script's entry point
+    env = {"HF_HOME": str(tmp_path / "hf")}
+    _run([*trl, *common, "--output_dir", str(tmp_path / "single")], env)
+    output = _run([*trl, *common, "--output_dir", str(tmp_path / "cp2"), "--accelerate_config",
+                   str(CONFIGS / "cpu_fsdp2_cp2.yaml"), "--main_process_port", str(free_port())], env)
+    assert output.count("prepared by qwen35_accel") == 2 and "cp=2" in output, output[-3000:]  # policy and reference
+    single, cp2 = tmp_path / "single" / "checkpoint-4", tmp_path / "cp2" / "checkpoint-4"
+    logged = log_history(single)
+    assert sum("loss" in e for e in logged) == 4 and max(abs(e["rewards/chosen"]) for e in logged) > 0, logged
+    assert_same_log_history(cp2, single, rtol=1e-5, atol=1e-6)  # as the script's runs above

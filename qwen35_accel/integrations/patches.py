@@ -140,9 +140,10 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     *(
         PatchPoint(
             f"trl.trainer.{module}", f"{trainer}.{method}", trl_whole_rows.trl_counted_once, TRL,
-            f"{trainer}.{method} on a dense Qwen3.5 model under cp > 1: TRL's metric gathers (accelerator.gather, "
-            "gather_for_metrics through it; bound on the accelerator for the call) keep one copy of each cp group's "
-            "whole rows (stock: cp copies: num_tokens cp times, precomputed reference log-probs duplicated)",
+            f"{trainer}.{method} on a dense Qwen3.5 model under cp > 1 (the reference precompute also under tp > 1): "
+            "TRL's metric gathers (accelerator.gather, gather_for_metrics through it; bound on the accelerator for the "
+            "call) keep one copy of each cp (cp×tp) group's whole rows (stock: cp copies: num_tokens cp times, "
+            "precomputed reference log-probs duplicated)",
         )
         for module, trainer in (("dpo_trainer", "DPOTrainer"), ("kto_trainer", "KTOTrainer"))
         for method in ("compute_loss", "_precompute_ref_logps")

@@ -20,7 +20,8 @@ the row. Under qwen35_accel's context parallelism these trainers keep that form:
 - Inside these trainers' loss and reference precompute, TRL's metric gathers
   (`Accelerator.gather`, and `gather_for_metrics` through it) count each row once
   (`counted_once_per_cp_group`): the cp ranks' identical copies are dropped, so token counts,
-  precomputed reference log-probs and means are one process's (dp and tp as TRL has them).
+  precomputed reference log-probs and means are one process's (dp as TRL has them; tp: TRL
+  divides its token count by tp, and the reference precompute drops the tp copies too).
 """
 
 from __future__ import annotations
@@ -219,27 +220,30 @@ def gather_whole_rows(output: Any, whole: WholeRows, num_items_in_batch: Any) ->
     return FusedCausalLMOutput(loss=-fields["log_probs"].sum() / count, label_mask=mask, **fields)
 
 
-def _ranks_at_cp_zero(mesh: DeviceMesh) -> list[int]:
-    """The global ranks whose cp coordinate is 0, ascending (one of each cp group)."""
-    index = mesh.mesh_dim_names.index("cp")
-    return sorted(mesh.mesh.select(index, 0).flatten().tolist())
+def _ranks_at_zero(mesh: DeviceMesh, dims: tuple[str, ...]) -> list[int]:
+    """The global ranks whose coordinates along `dims` (those the mesh has) are 0, ascending."""
+    names = list(mesh.mesh_dim_names or ())
+    at_zero = tuple(0 if name in dims else slice(None) for name in names)
+    return sorted(mesh.mesh[at_zero].flatten().tolist())
 
 
 @contextlib.contextmanager
-def counted_once_per_cp_group(accelerator: Any) -> Iterator[None]:
+def counted_once_per_cp_group(accelerator: Any, dims: tuple[str, ...] = ("cp",)) -> Iterator[None]:
     """For the duration: `accelerator.gather` (and so `gather_for_metrics`, which calls it) keeps
     the parts of the ranks at cp coordinate 0 only. Every rank of a cp group holds the same whole
     rows in these trainers, so stock gathering returns each row cp times (TRL's `num_tokens` cp
     times larger, its precomputed reference log-probs duplicated and misplaced); what is kept is
-    what the ranks without cp would gather. The same collective as stock; nothing changes without
-    cp in the accelerator's mesh, or when already inside."""
+    what the ranks without cp would gather. `dims`: the mesh dims whose ranks hold the same rows
+    and are counted once ("cp", and "tp" where TRL does not divide by tp itself). The same
+    collective as stock; nothing changes without those dims in the accelerator's mesh, or when
+    already inside."""
     mesh = getattr(accelerator, "torch_device_mesh", None)
-    if mesh is None or mesh_dim_size(mesh, "cp") == 1 or "gather" in vars(accelerator):
+    if mesh is None or all(mesh_dim_size(mesh, d) == 1 for d in dims) or "gather" in vars(accelerator):
         yield
         return
     from accelerate.utils import recursively_apply
 
-    keep = torch.tensor(_ranks_at_cp_zero(mesh))
+    keep = torch.tensor(_ranks_at_zero(mesh, dims))
     world = mesh.size()
     stock = accelerator.gather
 
@@ -266,13 +270,17 @@ def _applies(trainer: Any) -> bool:
 
 def trl_counted_once(original: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper of a whole-row trainer's method (`compute_loss`, `_precompute_ref_logps`) for a
-    dense Qwen3.5 model: run inside `counted_once_per_cp_group` (a no-op without cp)."""
+    dense Qwen3.5 model: run inside `counted_once_per_cp_group` (a no-op without cp). The
+    reference precompute counts tp ranks once too: tp ranks hold the same rows and TRL gathers
+    their log-probs over all processes (stock: each row tp times, misplaced), while its loss
+    divides its token count by tp itself."""
+    dims = ("cp", "tp") if original.__name__ == "_precompute_ref_logps" else ("cp",)
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not _applies(self):
             return original(self, *args, **kwargs)
-        with counted_once_per_cp_group(self.accelerator):
+        with counted_once_per_cp_group(self.accelerator, dims):
             return original(self, *args, **kwargs)
 
     return wrapper

@@ -101,9 +101,13 @@ def describe(report: dict[str, Any], gpus: int) -> list[str]:
     lines = [
         f"memory per rank (seq_len {o['seq_len']}, batch {o['batch_size']}, {o['optimizer']}, "
         f"checkpointing {'on' if o['activation_checkpointing'] else 'off'}, {loss}, {kernels} GatedDeltaNet kernels):",
-        "  " + ", ".join(f"{key} {_gib(value)}" for key, value in m.items() if key != "total"),
+        "  " + ", ".join(f"{key} {_gib(value)}" for key, value in m.items()
+                         if key != "total" and (key != "reference_parameters" or o.get("reference_model"))),
         f"  total {_gib(m['total'])}",
     ]
+    if o.get("reference_model"):
+        lines.insert(2, f"  reference model (--ref-model): a frozen copy in the policy's FSDP2 units and parameter dtype, "
+                        f"{_gib(m['reference_parameters'])}; no gradients, optimizer state or saved activations (no_grad forwards)")
     if "fits" in report:
         margin, budget = report["margin_bytes"], _gib(report["gpu_memory_bytes"])
         lines.append(f"  fits in {budget}: {_gib(margin)} to spare" if report["fits"]
@@ -129,4 +133,5 @@ def describe_vision(tower: dict[str, Any]) -> list[str]:
             f", the placeholder image's {tower['patches_per_rank']} patches" if tower["layout"] == "units" else "")
     memory = tower["memory_per_rank"]
     return [f"  of which vision tower ({step}): "
-            + ", ".join(f"{key} {_gib(value)}" for key, value in memory.items() if key not in ("loss", "total"))]
+            + ", ".join(f"{key} {_gib(value)}" for key, value in memory.items()
+                        if key not in ("loss", "total") and (key != "reference_parameters" or value))]

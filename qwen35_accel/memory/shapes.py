@@ -124,7 +124,9 @@ class StepOptions:
     `device`: where the step runs; `fla`: on "cuda", whether FLA and causal-conv1d are
     installed (the GatedDeltaNet kernels; without them Transformers' torch kernels run);
     `tiled_loss`: "hold", "recompute" or "off" (Transformers' loss), as the setting of that
-    name (True is "hold", False "off")."""
+    name (True is "hold", False "off"); `reference_model`: the run also holds a frozen copy of
+    the model (TRL's `ref_model` of DPO/KTO, of GRPO/RLOO with `beta` > 0), prepared as the
+    policy is (see `estimate`)."""
 
     seq_len: int
     batch_size: int = 1
@@ -138,6 +140,7 @@ class StepOptions:
     backward_prefetch_depth: int = 2
     device: Device = "cuda"
     fla: bool = True
+    reference_model: bool = False
 
     def __post_init__(self) -> None:
         from ..parallel.tiled_head import LOSS_MODES
@@ -154,7 +157,8 @@ class StepOptions:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank (the most loaded rank); `total` is their sum."""
+    """Bytes per rank (the most loaded rank); `total` is their sum. `reference_parameters`: a
+    frozen reference model's parameter shards (0 without one)."""
 
     parameters: int
     gradients: int
@@ -162,10 +166,12 @@ class MemoryEstimate:
     activations: int
     loss: int
     transient: int
+    reference_parameters: int = 0
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.loss + self.transient
+        return (self.parameters + self.gradients + self.optimizer_states + self.activations + self.loss + self.transient
+                + self.reference_parameters)
 
     def as_dict(self) -> dict[str, int]:
         """The keys of `plan --json`'s `memory_per_rank` (integers, bytes)."""

@@ -36,7 +36,16 @@ def _parameter_counts(shape: ModelShape, parallel: Parallel) -> tuple[int, int, 
 
 
 def estimate(shape: ModelShape, parallel: Parallel, options: StepOptions) -> MemoryEstimate:
-    """The memory per rank of one training step (see the module docstring)."""
+    """The memory per rank of one training step (see the module docstring).
+
+    With `options.reference_model`, a frozen copy of the model: its parameters sharded as the
+    policy's (our FSDP2 units over dp_shard × cp, tp-split; the plugin prepares it so), in the
+    policy's parameter dtype (TRL leaves the reference's `requires_grad` on, so Accelerate's
+    upcast holds it in fp32 under a bf16/fp16 policy as it does the policy); no gradients,
+    optimizer state or saved activations (its forwards run under `torch.no_grad()`). Its
+    forward's peak (its units gathered at the forward prefetch depth) is below the policy's
+    backward peak (the backward depth and an unsharded gradient), with the policy's units
+    resharded meanwhile, so it adds nothing to `transient`."""
     if options.seq_len % (2 * parallel.cp if parallel.cp > 1 else 1):
         raise ValueError(f"seq_len {options.seq_len} is not divisible by 2*cp = {2 * parallel.cp}; pass a multiple of it")
     params, largest_layer, tail = _parameter_counts(shape, parallel)
@@ -70,6 +79,7 @@ def estimate(shape: ModelShape, parallel: Parallel, options: StepOptions) -> Mem
         activations=activations(shape, parallel, options),
         loss=loss,
         transient=gathered + max([at_loss] + [peak - loss for peak in others]),
+        reference_parameters=params * p if options.reference_model else 0,
     )
 
 

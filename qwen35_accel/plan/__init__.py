@@ -47,6 +47,7 @@ def plan(
     suggest: bool = False,
     vision_tower: str | None = None,
     image_tokens: int = 0,
+    reference_model: bool = False,
 ) -> dict[str, Any]:
     """The plan as a dict (what `plan --json` prints). `backend`: None plans the run the
     YAML describes (`planned_run`: a CPU YAML over gloo with torch's kernels, else CUDA over
@@ -55,7 +56,11 @@ def plan(
     (`memory.memory_report`). `vision_tower` (a VLM config): "trainable" (default),
     "frozen", or "none" (the text model alone, as `AutoModelForCausalLM` loads it);
     `image_tokens`: image and video tokens per rank's micro-batch, whole sequences (0: a
-    text-only step)."""
+    text-only step). `reference_model`: the run also holds a frozen copy of the model (TRL's
+    `ref_model`: DPO, KTO, GRPO/RLOO with `beta` > 0), prepared as the policy is: its units
+    and bytes are the policy's, counted once more (`reference_model` in the result, and
+    `memory_per_rank["reference_parameters"]`), without gradients, optimizer state or
+    activations."""
     from ..integrations.settings import PluginSettings
     from ..parallel.fsdp import describe_prefetch, fsdp_units
     from .comm import cp_comm
@@ -90,11 +95,16 @@ def plan(
     memory, tower_step = step_memory(
         net_config, sizes, precision, run, settings, seq_len=seq_len, batch_size=batch_size, optimizer=optimizer,
         activation_checkpointing=checkpointing, vision_tower=vision_tower, image_tokens=image_tokens,
-        gpu_memory=gpu_memory, suggest=suggest,
+        gpu_memory=gpu_memory, suggest=suggest, reference_model=reference_model,
     )
     if tower is not None and tower_step is not None:
         tower.update(tower_step)
     replicated = tower["replicated_bytes_per_rank"] if tower else 0
+    reference = None
+    if reference_model:
+        reference = {"units": "the policy's", "bytes_per_rank_max": sum(u["bytes_per_rank_max"] for u in rows) + replicated,
+                     "memory_bytes_per_rank": memory["memory_per_rank"]["reference_parameters"],
+                     "gradients": 0, "optimizer_states": 0, "activations": 0}
     return {
         "model": model if model in ("tiny", "tiny-vlm") else os.path.abspath(model),
         "architecture": type(net).__name__.removeprefix("FSDP"),
@@ -110,6 +120,7 @@ def plan(
         "layers": layers,
         "other_units": other,
         "vision_tower": tower,
+        "reference_model": reference,
         "prefetch": describe_prefetch(net) if error is None else {},
         "context_parallel": cp_comm(net_config.get_text_config(), sizes["cp"], sizes["tp"], seq_len, precision.compute,
                                     settings.cp_state_exchange, run.backend),

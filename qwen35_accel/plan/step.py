@@ -22,7 +22,7 @@ class Precision:
 def step_memory(
     model_config: Any, sizes: dict[str, int], precision: Precision, run: PlannedRun, settings: Any, *,
     seq_len: int, batch_size: int, optimizer: str, activation_checkpointing: bool, vision_tower: str, image_tokens: int,
-    gpu_memory: int | None, suggest: bool,
+    gpu_memory: int | None, suggest: bool, reference_model: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(`memory_report`'s keys for `plan --json`, the vision tower's step figures for its
     report: `image_tokens`, `patches_per_rank`, `cp`, `memory_per_rank`; None for a text step).
@@ -38,6 +38,7 @@ def step_memory(
             backward_prefetch_depth=settings.fsdp2_backward_prefetch_depth if prefetch else 0,
             device=run.device,  # type: ignore[arg-type]
             fla=run.kernels == "fla",
+            reference_model=reference_model,
         )
     except ValueError as exc:
         raise PlanError(str(exc)) from None

@@ -81,6 +81,9 @@ def print_plan(p: dict[str, Any]) -> None:
         f"parameters per rank (max): {_human(p['bytes_per_rank_max'])}; distinct bytes over all ranks: "
         f"{_human(p['sharded_bytes_all_ranks'])} (model: {_human(p['model_bytes'])})"
     )
+    if p.get("reference_model"):
+        print(f"reference model (frozen copy, e.g. TRL's ref_model): the same units, {_human(p['reference_model']['bytes_per_rank_max'])} "
+              "per rank (max) more; no gradients, optimizer state or saved activations")
     forward, backward = p["prefetch"].get("forward", {}), p["prefetch"].get("backward", {})
     if forward or backward:
         first = next(iter(forward.items()), None)

@@ -16,10 +16,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from .model.packing import DocumentLayout, document_layout, layout_from_starts
 from .parallel.collectives import all_gather_with_grad
 from .parallel.context_parallel.layout import check_divisible, pad_for_context_parallel, shard_sequence, unshard_sequence
+from .parallel.context_parallel.model import context_parallel_paused
 
 IGNORE_INDEX = -100
 
-__all__ = ["shard_batch", "gather_sequence", "sharded_buffers", "pad_batch_for_context_parallel"]
+__all__ = [
+    "shard_batch", "gather_sequence", "sharded_buffers", "pad_batch_for_context_parallel", "context_parallel_paused",
+]
 
 
 def _check_right_padding(attention_mask: torch.Tensor) -> None:

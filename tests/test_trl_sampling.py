@@ -40,7 +40,8 @@ def _worker(rank: int, world: int, cp: int) -> None:
 
     from qwen35_accel import PARALLELIZER, install
     from qwen35_accel.integrations.trl_sampling import replicas
-    from qwen35_accel.parallel.context_parallel.model import context_parallel_mesh, context_parallel_paused
+    from qwen35_accel.context_parallel import context_parallel_paused
+    from qwen35_accel.parallel.context_parallel.model import context_parallel_mesh
     from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
     from qwen35_accel.testing.tiny import build_tiny_causal_lm
 

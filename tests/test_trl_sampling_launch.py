@@ -14,6 +14,7 @@ left); completions stop at EOS or are clipped at 8 tokens."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,11 +32,12 @@ CP_VARIANTS = "dapo_eval,grpo,dr_grpo,rloo"
 DP_VARIANTS = "dapo_eval,grpo,dr_grpo"
 
 
-def _run(command: list[str]) -> str:
-    result = run_launch(command)
+def _run(command: list[str], env: dict[str, str] | None = None) -> str:
+    """Run to completion; returns stdout and stderr together."""
+    result = run_launch(command, env=env)
     assert result.returncode == 0, describe(result)
     assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
-    return result.stderr
+    return result.stdout + result.stderr
 
 
 def _assert_same_run(got: Path, want: Path, variants: str, replicas: int, ranks: int) -> None:
@@ -96,3 +98,44 @@ def test_a_generation_batch_that_does_not_fit_the_replicas_is_refused_on_every_r
         "processes): per_device_train_batch_size (2) x dp (1) x steps_per_generation (1) = 2, which num_generations (4) "
         "does not divide"
     )
+
+
+def test_trl_grpo_cli_with_a_reward_from_a_module_path_under_cp_logs_what_one_process_logs(tmp_path):
+    """TRL's own `trl grpo` (its script: the model and tokenizer from a folder, a dataset folder, a
+    reward function by dotted import path), unchanged: `--accelerate_config` with the cp 2 YAML
+    against the same command without it (one process; HF_HOME in tmp_path so no user default
+    config applies). The checkpoint's log history compared."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
+
+    from qwen35_accel.local_world import free_port
+    from qwen35_accel.testing.launch import CONFIGS
+
+    recipes = REPO / "recipes"
+    model, data = tmp_path / "model", tmp_path / "data"
+    tokenizer = AutoTokenizer.from_pretrained(recipes / "configs" / "tokenizer")
+    set_seed(0)
+    policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(recipes / "configs" / "tiny_qwen35.json"))
+    policy.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(60, 99)]  # some completions stop early
+    policy.save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    data.mkdir()
+    records = [json.loads(line) for line in (recipes / "data" / "sft_tiny.jsonl").read_text().splitlines()[:16]]
+    (data / "train.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in records))
+    (tmp_path / "cli_rewards.py").write_text("def length(completions, **kwargs):\n    return [len(c) / 10 for c in completions]\n")
+    common = [
+        "--model_name_or_path", str(model), "--dataset_name", str(data), "--reward_funcs", "cli_rewards.length",
+        "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
+        "--max_completion_length", "8", "--beta", "0.1", "--optim", "sgd", "--learning_rate", "0.1", "--seed", "0",
+        "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2", "--save_only_model", "True",
+        "--report_to", "none", "--dtype", "float32", "--attn_implementation", "sdpa", "--bf16", "False",
+    ]
+    trl = [sys.executable, "-m", "trl.cli.main", "grpo"]  # the `trl` console script's entry point
+    env = {"HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    _run([*trl, *common, "--output_dir", str(tmp_path / "single")], env)
+    output = _run([*trl, *common, "--output_dir", str(tmp_path / "cp2"), "--accelerate_config",
+                   str(CONFIGS / "cpu_fsdp2_cp2.yaml"), "--main_process_port", str(free_port())], env)
+    assert output.count(PREPARED) == 2, output[-3000:]  # policy and reference
+    single, cp2 = tmp_path / "single" / "checkpoint-2", tmp_path / "cp2" / "checkpoint-2"
+    logged = log_history(single)
+    assert sum("loss" in e for e in logged) == 2 and logged[1]["kl"] > 0, logged
+    assert_same_log_history(cp2, single, rtol=1e-5, atol=1e-6, skip=("step_time",))

@@ -122,3 +122,22 @@ def test_left_padded_whole_rows_refuse_a_label_scored_from_padding():
     batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # prompts labelled too
     with pytest.raises(NotImplementedError, match=r"a label is set on a row's first real token \(rows \[0, 1, 3\]\)"):
         _left_align(dict(batch), batch["input_ids"].shape[1])
+
+
+def test_what_cannot_be_shared_within_a_group_is_named():
+    """vLLM, continuous batching, rollout functions, tools and environments generate or score once
+    per process, outside the model (vLLM is not installed here, so TRL itself refuses
+    `use_vllm=True` before the plugin could): each is named, images under cp too, none by default."""
+    from types import SimpleNamespace
+
+    from qwen35_accel.integrations.trl_sampling import _refusals
+
+    plain = SimpleNamespace(use_vllm=False, use_transformers_continuous_batching=False, rollout_func=None, tools=[],
+                            environment_factories=None, _is_vlm=True)
+    assert _refusals(plain, cp=1) == [] and _refusals(plain, cp=2) == ["a vision-language model under cp"]
+    everything = SimpleNamespace(use_vllm=True, use_transformers_continuous_batching=True, rollout_func=print,
+                                 tools=[print], environment_factories={"env": object}, _is_vlm=False)
+    assert _refusals(everything, cp=2) == [
+        "vLLM generation (use_vllm=True)", "continuous batching (use_transformers_continuous_batching=True)",
+        "a rollout_func", "tools", "an environment_factory",
+    ]

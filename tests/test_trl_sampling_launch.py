@@ -89,15 +89,19 @@ def test_grpo_under_dp2_times_cp2_or_tp2_equals_dp2(tmp_path, config, dp2):
     _assert_same_run(out, dp2, variants, replicas=2, ranks=4)
 
 
-def test_a_generation_batch_that_does_not_fit_the_replicas_is_refused_on_every_rank(tmp_path):
+@pytest.mark.parametrize("args,message", [
+    (("2",), "the generation batch counts data-parallel replicas (dp=1, not the 2 processes): "
+     "per_device_train_batch_size (2) x dp (1) x steps_per_generation (1) = 2, which num_generations (4) does not divide"),
+    (("4", "--variants", "dapo_eval", "--eval-per-device", "2"), "an evaluation batch counts data-parallel replicas "
+     "(dp=1, not the 2 processes): per_device_eval_batch_size (2) x dp (1) = 2, which the evaluation's generations "
+     "per prompt (4) do not divide"),
+], ids=["train", "eval"])
+def test_a_batch_that_does_not_fit_the_replicas_is_refused_on_every_rank(tmp_path, args, message):
     """2 rows per device, 4 generations per prompt: TRL counts 2 processes (4 rows, divisible), but
-    the cp ranks hold the same rows, so each step holds half a group: refused before any step."""
-    result = run_launch(accelerate_launch_command("cpu_fsdp2_cp2.yaml", SCRIPT, str(tmp_path / "cp2"), "2"))
-    assert_refused_on_every_rank(
-        result, "ValueError", "GRPOTrainer under cp/tp: the generation batch counts data-parallel replicas (dp=1, not the 2 "
-        "processes): per_device_train_batch_size (2) x dp (1) x steps_per_generation (1) = 2, which num_generations (4) "
-        "does not divide"
-    )
+    the cp ranks hold the same rows, so each step (or evaluation batch) would hold half a group:
+    refused before any step."""
+    result = run_launch(accelerate_launch_command("cpu_fsdp2_cp2.yaml", SCRIPT, str(tmp_path / "cp2"), *args))
+    assert_refused_on_every_rank(result, "ValueError", f"GRPOTrainer under cp/tp: {message}")
 
 
 def test_trl_grpo_cli_with_a_reward_from_a_module_path_under_cp_logs_what_one_process_logs(tmp_path):

@@ -258,6 +258,15 @@ def _set_up_replica(trainer: Any, active: Replicas) -> None:
             f"({active.dp_size}) x steps_per_generation ({args.steps_per_generation}) = {generation_batch_size}, "
             f"which num_generations ({trainer.num_generations}) does not divide. Change one of them."
         )
+    evaluation_batch = args.per_device_eval_batch_size * active.dp_size
+    generations_eval = getattr(trainer, "num_generations_eval", None) or trainer.num_generations
+    if args.eval_strategy != "no" and evaluation_batch % generations_eval:
+        raise ValueError(
+            f"{name} under cp/tp: an evaluation batch counts data-parallel replicas (dp={active.dp_size}, not the "
+            f"{active.world} processes): per_device_eval_batch_size ({args.per_device_eval_batch_size}) x dp "
+            f"({active.dp_size}) = {evaluation_batch}, which the evaluation's generations per prompt "
+            f"({generations_eval}) do not divide. Change one of them."
+        )
     args.generation_batch_size = generation_batch_size
     logs = getattr(trainer, "_logs", None)
     if isinstance(logs, dict):  # TRL sized its completion logs by the old batch

@@ -4,14 +4,14 @@ TRL pads them on the left), a length reward, 2 SGD steps; losses, rewards, KL, c
 grad norms in `trainer_state.json`, and every completion each rank trained on in
 `completions-rank{R}.json` (prompt, completion token ids, in the order the reward saw them).
 
-    [accelerate launch --config_file …] tests/scripts/trl_grpo.py OUTPUT_DIR PER_DEVICE [--variants V,V…] [--eval]
+    [accelerate launch --config_file …] tests/scripts/trl_grpo.py OUTPUT_DIR PER_DEVICE [--variants V,V…] [--eval] [--eval-per-device N]
 
 Without `--variants`: the `dapo` variant in OUTPUT_DIR. Each variant trains in OUTPUT_DIR/VARIANT,
 one after the other in this process: `dapo` (TRL's default loss, `beta` 0.1: a reference model),
 `grpo` (`num_iterations` 2: old log-probs; gradient accumulation 2; no reference), `dr_grpo`
 (`beta` 0.1, gradient accumulation 2, `scale_rewards="batch"`), `rloo` (`RLOOTrainer`, `beta` 0.1).
 `dapo_eval`, or `--eval` for every variant: an evaluation on 4 held-out prompts (4 generations each)
-after each step.
+after each step (`--eval-per-device`: its per-device batch, PER_DEVICE otherwise).
 The model's generation config stops at any of 40 tokens, so some completions end at EOS and
 others are clipped at `max_completion_length`.
 """
@@ -57,7 +57,8 @@ def save_initial_model(out: str) -> Path:
     return model_dir
 
 
-def main(out: str, model_dir: Path, per_device: int, variant: str, evaluate: bool = False) -> None:
+def main(out: str, model_dir: Path, per_device: int, variant: str, evaluate: bool = False,
+         eval_per_device: int | None = None) -> None:
     SEEN.clear()
     tokenizer = AutoTokenizer.from_pretrained(RECIPES / "configs" / "tokenizer")
     prompts = load_dataset("json", data_files=str(RECIPES / "data" / "sft_tiny.jsonl"), split="train")
@@ -69,7 +70,7 @@ def main(out: str, model_dir: Path, per_device: int, variant: str, evaluate: boo
         output_dir=out,
         max_steps=2,
         per_device_train_batch_size=per_device,
-        per_device_eval_batch_size=per_device,
+        per_device_eval_batch_size=eval_per_device or per_device,
         num_generations=4,
         eval_strategy="steps" if evaluate else "no",
         eval_steps=1,
@@ -94,8 +95,10 @@ def main(out: str, model_dir: Path, per_device: int, variant: str, evaluate: boo
 if __name__ == "__main__":
     out, per_device, rest = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     model_dir = save_initial_model(out)
+    eval_per_device = int(rest[rest.index("--eval-per-device") + 1]) if "--eval-per-device" in rest else None
     if "--variants" in rest:
         for name in rest[rest.index("--variants") + 1].split(","):
-            main(str(Path(out) / name), model_dir, per_device, name, evaluate="--eval" in rest or name.endswith("_eval"))
+            main(str(Path(out) / name), model_dir, per_device, name, evaluate="--eval" in rest or name.endswith("_eval"),
+                 eval_per_device=eval_per_device)
     else:
-        main(out, model_dir, per_device, "dapo", evaluate="--eval" in rest)
+        main(out, model_dir, per_device, "dapo", evaluate="--eval" in rest, eval_per_device=eval_per_device)

@@ -24,6 +24,7 @@ Measured, in one run, the worlds alternating (cp 1, cp 2) `--rounds` times:
   paused (`context_parallel_paused`, what the sampling integration does): every rank of the cp
   group generates the same whole sequences, so a group generates at one replica's cost (FSDP2's
   all-gathers included), not 1/cp of it.
+Runs are appended to `rl_cp_step.md` (a shared machine's runs differ; each keeps its header).
 """
 
 from __future__ import annotations
@@ -146,16 +147,17 @@ def _worker(rank: int, world: int, args: dict[str, Any], shape: dict[str, Any], 
     prompts = {"input_ids": inputs["prompt_ids"], "attention_mask": inputs["prompt_mask"]}
     settings = {"max_new_tokens": args["new_tokens"], "min_new_tokens": args["new_tokens"], "do_sample": True,
                 "pad_token_id": 0, "synced_gpus": True}
-    gen_times = []
+    gen_times, gen_cpu = [], []
     for _ in range(2):  # the first warms up
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         with torch.no_grad(), context_parallel_paused(model):
             torch.manual_seed(7)
             ids = model.generate(**prompts, **settings)
         gen_times.append(time.perf_counter() - start)
+        gen_cpu.append(time.process_time() - cpu_start)
     result = {"rank": rank, "times": times, "cpu": cpu, "loss": loss, "logp": logp, "grad_norm": grad_norm, "saved": saved,
-              "generate_s": gen_times[-1], "generated": ids[:, prompt:].tolist()}
+              "generate_s": gen_times[-1], "generate_cpu_s": gen_cpu[-1], "generated": ids[:, prompt:].tolist()}
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -185,6 +187,8 @@ def main() -> None:
         shape = SMOKE_SHAPE
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import trl
+
     from qwen35_accel.testing.local_world import run_local_world
 
     settings = {k: getattr(args, k) for k in ("prompt", "completion", "new_tokens", "warmup", "steps")}
@@ -207,6 +211,7 @@ def main() -> None:
     med = {cp: statistics.median(v) for cp, v in steps.items()}
     cpu = {cp: statistics.median(max(cs) for rd in rounds for cs in zip(*(res["cpu"] for res in rd[cp]))) for cp in configs}
     gen = {cp: statistics.median(max(res["generate_s"] for res in rd[cp]) for rd in rounds) for cp in configs}
+    gen_cpu = {cp: statistics.median(max(res["generate_cpu_s"] for res in rd[cp]) for rd in rounds) for cp in configs}
     saved = {cp: rounds[0][cp] for cp in configs}
     total = {cp: max(r["saved"]["decoder"] + r["saved"]["head"] for r in saved[cp]) for cp in configs}
     ratio = total[2] / total[1]
@@ -217,7 +222,7 @@ def main() -> None:
         f"{args.completion} and {3 * args.completion // 4} tokens (right-padded to {args.completion}): {rows} tokens in the "
         f"batch; loss dapo, num_iterations 1, beta 0; 1 thread per rank; {args.rounds} rounds x (cp 1 world, cp 2 world), "
         f"{args.warmup} warmup (the first round's measures saved bytes) + {args.steps} timed steps per world; "
-        f"{shape_note(shape).replace(', batch 1', '')}.\n",
+        f"{shape_note(shape).replace(', batch 1', '')}; TRL {trl.__version__}.\n",
         "| config | rank | saved for backward: decoder (MiB) | head (MiB) | median step (s) | median CPU / wall | generation (s) | loss | completion log-probs, sum | grad norm |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -241,7 +246,8 @@ def main() -> None:
         f"({cpu[2]:.2f} s vs {cpu[1]:.2f} s; less sensitive to other load, blind to waits in collectives).",
         f"**Generation of {args.new_tokens} new tokens x 2 rows, CP paused, cp 2 / cp 1 (medians, slowest rank): "
         f"{gen[2] / gen[1]:.3f}** ({gen[2]:.2f} s vs {gen[1]:.2f} s; expected about 1 or above: every rank of the cp group "
-        f"generates the whole rows, FSDP2 gathering its units each token). Sampled tokens identical in every world: "
+        f"generates the whole rows, FSDP2 gathering its units each token). CPU time per rank (busiest rank): "
+        f"{gen_cpu[2] / gen_cpu[1]:.3f} ({gen_cpu[2]:.2f} s vs {gen_cpu[1]:.2f} s). Sampled tokens identical in every world: "
         f"{'yes' if same_tokens else 'NO'}.",
     ]
     utilisation = {cp: statistics.median(c / t for rd in rounds for res in rd[cp] for c, t in zip(res["cpu"], res["times"]))
@@ -255,7 +261,8 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    run.write(_report.results_dir(args), f"{args.out_name}.md", "A GRPO step under context parallelism: cp 2 vs cp 1", table)
+    run.write(_report.results_dir(args), f"{args.out_name}.md", "A GRPO step under context parallelism: cp 2 vs cp 1", table,
+              append=True)
 
 
 if __name__ == "__main__":

@@ -254,3 +254,21 @@ def test_plan_table_smoke():
 
 def test_vlm_placeholder_step_smoke():
     assert "placeholder / none" in _smoke("vlm_placeholder_step.py")
+
+
+def test_rl_cp_step_smoke_reports_saved_bytes_step_and_generation_at_cp1_and_cp2():
+    stdout = _smoke("rl_cp_step.py")
+    saved = _bold_ratio(stdout, "Saved bytes per rank, cp 2 / cp 1 (worst rank)")
+    assert 0.3 < saved < 1.0, stdout  # each rank keeps its chunks' activations (tiny shapes: CP's fixed part weighs more)
+    for label in ("Training step time (forward + backward), cp 2 / cp 1 (medians, slowest rank)",
+                  "Generation of 4 new tokens x 2 rows, CP paused, cp 2 / cp 1 (medians, slowest rank)"):
+        ratio = _bold_ratio(stdout, label)
+        assert math.isfinite(ratio) and ratio > 0, stdout
+    assert "Sampled tokens identical in every world: yes" in stdout, stdout
+    rows = _table_rows(stdout, "| config | rank | saved for backward: decoder (MiB) |")
+    assert [(r[0], r[1]) for r in rows] == [("cp 1 (world 1)", "0"), ("cp 2 (world 2)", "0"), ("cp 2 (world 2)", "1")], stdout
+    # cp 1 rank 0, cp 2 ranks 0 and 1: the same log-probs and gradient norm, fp32 rtol 1e-5 (reduction
+    # order over cp), plus the table's printed decimals.
+    for column, decimals in ((-2, 1e-4), (-1, 1e-6)):
+        values = [float(r[column]) for r in rows]
+        assert max(values) - min(values) <= 1e-5 * max(abs(v) for v in values) + decimals, stdout

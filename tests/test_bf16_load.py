@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import run_world
+from _launched import Run, register
 from safetensors import safe_open
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from qwen35_accel.model import checkpoint_gates
 from qwen35_accel.model.fp32_gate import install_fp32_gate
-from qwen35_accel.testing.launch import CONFIGS, RECIPE, accelerate_launch_command, describe, run_launch
+from qwen35_accel.testing.launch import RECIPE, describe
 from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_vlm
 
 GATES = (".A_log", ".dt_bias")
@@ -197,35 +198,37 @@ def test_parallelizer_apply_on_a_bf16_load_holds_the_checkpoints_gates(tmp_path,
     run_world(_apply_worker, 2, str(tmp_path), dp, tp)
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("ram_efficient", [False, True], ids=["loaded_on_every_rank", "cpu_ram_efficient_loading"])
-def test_the_plugin_trains_from_the_checkpoints_gates_after_a_bf16_load(tmp_path, ram_efficient):
+def _save_source(path: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    source = tmp_path / "source"
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(RECIPE.parent / "configs" / "tiny_qwen35.json")).save_pretrained(source)
-    saved = checkpoint_gate_values(source)
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        (CONFIGS / "cpu_fsdp2.yaml").read_text().replace(
-            "fsdp_cpu_ram_efficient_loading: false", f"fsdp_cpu_ram_efficient_loading: {str(ram_efficient).lower()}"
-        )
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(RECIPE.parent / "configs" / "tiny_qwen35.json")).save_pretrained(path)
+
+
+# cpu_fsdp2.yaml with fsdp_cpu_ram_efficient_loading as under test (FSDP_CPU_RAM_EFFICIENT_LOADING, what the key
+# sets). One SGD step at learning rate 0: the saved model holds the weights the prepared model started from.
+RAM_EFFICIENT = {"loaded_on_every_rank": "false", "cpu_ram_efficient_loading": "true"}
+register(**{
+    f"bf16/{case}": Run(
+        "cpu_fsdp2.yaml", RECIPE,
+        ("--max_steps", "1", "--optim", "sgd", "--learning_rate", "0", "--per_device_train_batch_size", "1", "--seed", "0",
+         "--dtype", "bfloat16", "--model_name_or_path", "{in}", "--tokenizer_name_or_path",
+         str(RECIPE.parent / "configs" / "tokenizer"), "--output_dir", "{out}"),
+        env={"FSDP_CPU_RAM_EFFICIENT_LOADING": flag}, setup=_save_source,
     )
-    out = tmp_path / "out"
-    # One SGD step at learning rate 0: the saved model holds the weights the prepared model started from.
-    args = ["--max_steps", "1", "--optim", "sgd", "--learning_rate", "0", "--per_device_train_batch_size", "1", "--seed", "0"]
-    result = run_launch(
-        accelerate_launch_command(
-            config, RECIPE, *args, "--dtype", "bfloat16", "--model_name_or_path", str(source),
-            "--tokenizer_name_or_path", str(RECIPE.parent / "configs" / "tokenizer"), "--output_dir", str(out),
-        )
-    )
-    assert result.returncode == 0, describe(result)
-    assert "prepared by qwen35_accel" in result.stderr and ROUNDED not in result.stderr, describe(result)
-    assert "their fp32 values were read back, bitwise, from" in result.stderr, describe(result)  # the plugin's one line
-    trained = checkpoint_gate_values(out)
+    for case, flag in RAM_EFFICIENT.items()
+})
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.launches(f"bf16/{case}")) for case in RAM_EFFICIENT])
+def test_the_plugin_trains_from_the_checkpoints_gates_after_a_bf16_load(launched, case):
+    result = launched(f"bf16/{case}")
+    saved = checkpoint_gate_values(result.inputs)
+    assert "prepared by qwen35_accel" in result.stderr and ROUNDED not in result.stderr, describe(result.launch)
+    assert "their fp32 values were read back, bitwise, from" in result.stderr, describe(result.launch)  # the plugin's one line
+    trained = checkpoint_gate_values(result.out)
     assert set(trained) == set(saved)
     for key, value in saved.items():
         assert trained[key].dtype == torch.float32 and torch.equal(trained[key], value), key

@@ -1,23 +1,31 @@
-"""`qwen35-accel plan` / `env`: run as a user would, in a fresh process."""
+"""`qwen35-accel plan` / `env`: `env`, a text plan and a refused config run as a user would, in a
+fresh process; the other plans call the command's `main` in this process (tests/_cli.py: the same
+arguments, output and exit code, without an interpreter start and its imports per call)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> dict:
+    """`qwen35-accel ARGS --json` in this process (tests/_cli.py)."""
+    result = run_cli(*args, "--json", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def cli_in_a_fresh_process(*args: str) -> dict:
     result = subprocess.run(
         [sys.executable, "-m", "qwen35_accel.cli", *args, "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env=None if env is None else {**os.environ, **env},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
@@ -135,7 +143,7 @@ def test_plan_shows_tensor_parallel_slices_that_add_up_to_the_model():
 
 
 def test_env_lists_versions_plugin_and_patch_points():
-    e = cli("env")
+    e = cli_in_a_fresh_process("env")  # a fresh process: what env imports, and what it leaves deferred
     assert e["versions"]["torch"] and e["autoload_entry_point"] == "qwen35_accel_autoload:activate"
     points = {pt["target"]: pt for pt in e["plugin"]["patch_points"]}
     assert e["plugin"]["active"] and all(pt["active"] for t, pt in points.items() if t.startswith("accelerate."))

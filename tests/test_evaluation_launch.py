@@ -10,18 +10,13 @@ without labels (shape and values) and label ids.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _launched import Run, register
 
-from qwen35_accel.testing.launch import (
-    REPO,
-    accelerate_launch_command,
-    describe,
-    run_launch,
-)
+from qwen35_accel.testing.launch import REPO
 
 pytestmark = pytest.mark.multiprocess
 SLOW = pytest.mark.slow  # launches of 4 processes, or variants of the cp2 launch
@@ -30,51 +25,40 @@ SCRIPT = REPO / "tests" / "scripts" / "eval_clm.py"
 PREPARED = "prepared by qwen35_accel"
 
 
-def _run(command: list[str], env: dict[str, str] | None = None) -> str:
-    result = run_launch(command, env=env)
-    assert result.returncode == 0, describe(result)
-    assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
-    return result.stderr
-
-
 def _outputs(out: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return json.loads((out / "results.json").read_text()), torch.load(out / "predictions.pt")
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("eval_single")
-    _run([sys.executable, str(SCRIPT), str(out), "--per_device_eval_batch_size", "4"])
-    return out
+CASES = {  # id: config, per-device batch, environment, what the plugin's note shows, flags
+    "cp2": ("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2", ()),  # the fast tier's evaluation test
+    "cp2-eval-only": ("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2", ("--no_train",)),  # prepared for evaluation alone
+    # preprocess_logits_for_metrics (argmax) on each rank's chunks, its output gathered
+    "cp2-metrics-per-chunk": ("cpu_fsdp2_cp2.yaml", "4", {"QWEN35_ACCEL_CP_METRICS_PER_CHUNK": "1"}, "cp=2", ()),
+    "dp2xcp2": ("cpu_fsdp2_dp2_cp2.yaml", "2", {}, "cp=2", ()),
+    "dp2xtp2": ("cpu_fsdp2_tp2.yaml", "2", {}, "tp=2", ()),
+    "dp2xtp2-vocab-parallel": ("cpu_fsdp2_tp2.yaml", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}, "tp=2", ()),
+}
+register(**{
+    "eval/single": Run(None, SCRIPT, ("{out}", "--per_device_eval_batch_size", "4")),
+    # Plain FSDP2 over 2 processes (each rank its own batch: stock gathering).
+    "eval/dp2": Run("cpu_fsdp2.yaml", SCRIPT, ("{out}", "--per_device_eval_batch_size", "2")),
+    **{f"eval/{case}": Run(config, SCRIPT, ("{out}", "--per_device_eval_batch_size", per_device, *flags), env=env)
+       for case, (config, per_device, env, _, flags) in CASES.items()},
+})
 
 
-@pytest.fixture(scope="module")
-def data_parallel_2(tmp_path_factory) -> Path:
-    """Plain FSDP2 over 2 processes (each rank its own batch: stock gathering)."""
-    out = tmp_path_factory.mktemp("eval_dp2")
-    _run(accelerate_launch_command("cpu_fsdp2.yaml", SCRIPT, str(out), "--per_device_eval_batch_size", "2"))
-    return out
+def _case(case: str):
+    per_device = CASES[case][1]
+    names = ("eval/single", f"eval/{case}", *(("eval/dp2",) if per_device == "2" else ()))
+    return pytest.param(case, marks=[pytest.mark.launches(*names), *(() if case == "cp2" else (SLOW,))], id=case)
 
 
-@pytest.mark.parametrize(
-    "config,per_device,env,shows,flags",
-    [
-        ("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2", ()),  # the fast tier's evaluation test
-        pytest.param("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2", ("--no_train",), marks=SLOW),  # prepared for evaluation alone
-        # preprocess_logits_for_metrics (argmax) on each rank's chunks, its output gathered
-        pytest.param("cpu_fsdp2_cp2.yaml", "4", {"QWEN35_ACCEL_CP_METRICS_PER_CHUNK": "1"}, "cp=2", (), marks=SLOW),
-        pytest.param("cpu_fsdp2_dp2_cp2.yaml", "2", {}, "cp=2", (), marks=SLOW),
-        pytest.param("cpu_fsdp2_tp2.yaml", "2", {}, "tp=2", (), marks=SLOW),
-        pytest.param("cpu_fsdp2_tp2.yaml", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}, "tp=2", (), marks=SLOW),
-    ],
-    ids=["cp2", "cp2-eval-only", "cp2-metrics-per-chunk", "dp2xcp2", "dp2xtp2", "dp2xtp2-vocab-parallel"],
-)
-def test_evaluate_and_predict_under_cp_and_tp_equal_one_process(single, request, tmp_path, config, per_device, env,
-                                                                 shows, flags):
-    out = tmp_path / "run"
-    command = accelerate_launch_command(config, SCRIPT, str(out), "--per_device_eval_batch_size", per_device, *flags)
-    stderr = _run(command, env)
-    assert PREPARED in stderr and shows in stderr
+@pytest.mark.parametrize("case", [_case(case) for case in CASES])
+def test_evaluate_and_predict_under_cp_and_tp_equal_one_process(launched, case):
+    launch = launched(f"eval/{case}")
+    per_device, shows = CASES[case][1], CASES[case][3]
+    out, single = launch.out, launched("eval/single").out
+    assert PREPARED in launch.stderr and shows in launch.stderr
     got, got_pred = _outputs(out)
     want, want_pred = _outputs(single)
     data_parallel = per_device == "2"
@@ -87,7 +71,7 @@ def test_evaluate_and_predict_under_cp_and_tp_equal_one_process(single, request,
             # Stock Transformers with 2 data-parallel ranks: the last batch's rows are counted with the
             # global token count but cut to the remainder, so its loss is not one process's either;
             # our ranks sharing a batch must give exactly what plain data parallelism gives.
-            expected_loss = _outputs(request.getfixturevalue("data_parallel_2"))[0][run]["eval_loss"]
+            expected_loss = _outputs(launched("eval/dp2").out)[0][run]["eval_loss"]
         # fp32 rtol 1e-5: the loss is reduced over chunks (cp) or heads (tp) in another order.
         torch.testing.assert_close(got[run]["eval_loss"], expected_loss, rtol=1e-5, atol=0, msg=f"{run}: eval_loss")
 

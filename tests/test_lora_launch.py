@@ -7,20 +7,14 @@ directory `Trainer.save_model` writes (loaded back with `PeftModel.from_pretrain
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _launched import Run, register
 from safetensors.torch import load_file
 
-from qwen35_accel.testing.launch import (
-    CONFIGS,
-    RECIPE,
-    accelerate_launch_command,
-    describe,
-    run_launch,
-)
+from qwen35_accel.testing.launch import RECIPE
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
@@ -30,10 +24,8 @@ PREPARED = "PeftModelForCausalLM prepared by qwen35_accel"
 COMMON = ["--lora", "--max_steps", "4", "--logging_steps", "1", "--seed", "0", "--optim", "sgd", "--learning_rate", "1.0"]
 
 
-def _checked(result):
-    assert result.returncode == 0, describe(result)
-    assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
-    return result
+def runs(*names: str):
+    return pytest.mark.launches(*names)
 
 
 def logged(out: Path, key: str) -> list[float]:
@@ -41,35 +33,37 @@ def logged(out: Path, key: str) -> list[float]:
     return [entry[key] for entry in history if "loss" in entry]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("lora_single")
-    _checked(run_launch([sys.executable, str(RECIPE), *COMMON, "--output_dir", str(out), "--per_device_train_batch_size", "4"]))
-    return out
+# One launch per config for the whole module (with the other modules' runs of that config).
+CASES = {  # id: config, per-device batch, the FSDP plugin's state dict type, rtol
+    "fsdp2": ("cpu_fsdp2.yaml", "2", "FULL_STATE_DICT", 1e-5),
+    "fsdp2-sharded-state-dict": ("cpu_fsdp2.yaml", "2", "SHARDED_STATE_DICT", 1e-5),
+    "cp2": ("cpu_fsdp2_cp2.yaml", "4", "FULL_STATE_DICT", 1e-4),
+    "dp2xcp2": ("cpu_fsdp2_dp2_cp2.yaml", "2", "FULL_STATE_DICT", 1e-4),
+    "dp2xtp2": ("cpu_fsdp2_tp2.yaml", "2", "FULL_STATE_DICT", 1e-4),
+}
+RESUME = ("--lora", "--max_steps", "4", "--logging_steps", "1", "--seed", "0", "--learning_rate", "1.0",
+          "--per_device_train_batch_size", "2", "--output_dir", "{out}")
+register(**{
+    "lora/reference": Run(None, RECIPE, (*COMMON, "--output_dir", "{out}", "--per_device_train_batch_size", "4")),
+    **{f"lora/{case}": Run(config, RECIPE, (*COMMON, "--output_dir", "{out}", "--per_device_train_batch_size", per_device),
+                           env={"FSDP_STATE_DICT_TYPE": kind})  # what the config's fsdp_state_dict_type sets
+       for case, (config, per_device, kind, _) in CASES.items()},
+    "lora/resume-full": Run("cpu_fsdp2.yaml", RECIPE, (*RESUME, "--save_strategy", "steps", "--save_steps", "2")),
+    "lora/resume-resumed": Run("cpu_fsdp2.yaml", RECIPE, (*RESUME, "--resume_from_checkpoint", "{out:lora/resume-full}/checkpoint-2"),
+                               after=("lora/resume-full",)),
+})
 
 
 @pytest.mark.parametrize(
-    "config,per_device,state_dict_type,rtol",
-    [
-        ("cpu_fsdp2.yaml", "2", "FULL_STATE_DICT", 1e-5),
-        ("cpu_fsdp2.yaml", "2", "SHARDED_STATE_DICT", 1e-5),
-        ("cpu_fsdp2_cp2.yaml", "4", "FULL_STATE_DICT", 1e-4),
-        ("cpu_fsdp2_dp2_cp2.yaml", "2", "FULL_STATE_DICT", 1e-4),
-        ("cpu_fsdp2_tp2.yaml", "2", "FULL_STATE_DICT", 1e-4),
-    ],
-    ids=["fsdp2", "fsdp2-sharded-state-dict", "cp2", "dp2xcp2", "dp2xtp2"],
+    "case,rtol", [pytest.param(case, c[3], marks=runs("lora/reference", f"lora/{case}"), id=case) for case, c in CASES.items()]
 )
-def test_lora_launch_trains_as_one_process_and_saves_the_same_adapter(reference, tmp_path, config, per_device, state_dict_type, rtol):
+def test_lora_launch_trains_as_one_process_and_saves_the_same_adapter(launched, case, rtol):
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    yaml = tmp_path / "config.yaml"
-    yaml.write_text((CONFIGS / config).read_text().replace("FULL_STATE_DICT", state_dict_type))
-    out = tmp_path / "run"
-    result = _checked(run_launch(accelerate_launch_command(
-        str(yaml), RECIPE, *COMMON, "--output_dir", str(out), "--per_device_train_batch_size", per_device
-    )))
-    assert PREPARED in result.stderr
+    run, reference = launched(f"lora/{case}"), launched("lora/reference").out
+    out = run.out
+    assert PREPARED in run.stderr
     # fp32 rtol 1e-5: FSDP2's reduction order; 1e-4 under CP / TP (per-chunk or per-head
     # partial gradients reduced over cp / tp, carried into later losses by 4 SGD steps), as
     # for full fine-tuning.
@@ -90,14 +84,9 @@ def test_lora_launch_trains_as_one_process_and_saves_the_same_adapter(reference,
     assert merged.model.layers[0].linear_attn.A_log.dtype == torch.float32
 
 
-def test_lora_resume_from_checkpoint_continues_with_the_uninterrupted_losses(tmp_path):
-    launch = lambda out, *args: _checked(run_launch(accelerate_launch_command(
-        "cpu_fsdp2.yaml", RECIPE, "--lora", "--max_steps", "4", "--logging_steps", "1", "--seed", "0",
-        "--learning_rate", "1.0", "--per_device_train_batch_size", "2", "--output_dir", str(out), *args)))
-    full = tmp_path / "full"
-    launch(full, "--save_strategy", "steps", "--save_steps", "2")
-    resumed = tmp_path / "resumed"
-    launch(resumed, "--resume_from_checkpoint", str(full / "checkpoint-2"))
+@runs("lora/resume-full", "lora/resume-resumed")
+def test_lora_resume_from_checkpoint_continues_with_the_uninterrupted_losses(launched):
+    full, resumed = launched("lora/resume-full").out, launched("lora/resume-resumed").out
     # AdamW (the Trainer's default) and its state come back from the checkpoint; same layout on
     # both sides, only the round trip differs: fp32 rtol 1e-5.
     torch.testing.assert_close(torch.tensor(logged(resumed, "loss")[-2:]), torch.tensor(logged(full, "loss")[-2:]),

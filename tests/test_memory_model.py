@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from _cli import run_cli
 from _dist import run_world
 from qwen35_accel.testing.saved_tensors import saved_storage_bytes
 from qwen35_accel.memory import (
@@ -313,8 +313,7 @@ def test_suggested_cp_is_the_smallest_that_fits():
 def _plan(*args: str) -> subprocess.CompletedProcess:
     root = Path(__file__).resolve().parents[1]
     config = str(root / "accelerate_configs" / "cpu_fsdp2_dp2_cp2.yaml")
-    return subprocess.run([sys.executable, "-m", "qwen35_accel.cli", "plan", "--model", "tiny", "--config", config, *args],
-                          capture_output=True, text=True, timeout=300, cwd=root)
+    return run_cli("plan", "--model", "tiny", "--config", config, *args)  # in this process (tests/_cli.py)
 
 
 def test_plan_json_says_whether_it_fits_and_suggests_a_cp():

@@ -9,37 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _launched import Run, register
 
-from qwen35_accel.testing.launch import CONFIGS, RECIPE, accelerate_launch_command, describe, run_launch
+from qwen35_accel.testing.launch import RECIPE, accelerate_launch_command, describe, run_launch
 from test_trainer_launch import COMMON, PREPARED, losses, save_tiny_llama
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 TOKENIZER = str(RECIPE.parent / "configs" / "tokenizer")
-
-
-def test_an_unknown_setting_warns_in_a_llama_run_and_stops_a_qwen35_run(tmp_path):
-    llama = tmp_path / "llama"
-    save_tiny_llama(llama)
-    stray = {"QWEN35_ACCEL_FOO": "1"}
-    out = tmp_path / "llama_out"
-    result = run_launch(
-        accelerate_launch_command("cpu_fsdp2.yaml", RECIPE, *COMMON, "--output_dir", str(out), "--model_name_or_path",
-                                  str(llama), "--tokenizer_name_or_path", TOKENIZER, "--per_device_train_batch_size", "2"),
-        env=stray,
-    )
-    # Stock Accelerate's path for Llama, as without the stray name (it used to raise here).
-    assert result.returncode == 0, describe(result)
-    assert "unknown setting(s) ['QWEN35_ACCEL_FOO']" in result.stderr and PREPARED not in result.stderr
-    history = losses(out)
-    assert len(history) == 4 and history[-1] < history[0]
-
-    result = run_launch(
-        accelerate_launch_command("cpu_fsdp2.yaml", RECIPE, *COMMON, "--output_dir", str(tmp_path / "qwen35_out")),
-        env=stray,
-    )
-    assert result.returncode != 0 and PREPARED not in result.stderr, describe(result)
-    assert "ValueError: unknown setting(s) ['QWEN35_ACCEL_FOO']" in result.stderr, describe(result)
+STRAY = {"QWEN35_ACCEL_FOO": "1"}
 
 
 def _tiny_moe(path) -> None:
@@ -58,7 +36,36 @@ def _tiny_moe(path) -> None:
     ).save_pretrained(path)
 
 
-def test_a_qwen35_moe_model_is_told_it_takes_accelerates_path_and_how_its_wrap_policy_is_fixed(tmp_path):
+# The successful launches run in the batched cpu_fsdp2.yaml launch (tests/_launched.py).
+register(**{
+    "messages/llama-stray": Run("cpu_fsdp2.yaml", RECIPE, (
+        *COMMON, "--output_dir", "{out}", "--model_name_or_path", "{in}", "--tokenizer_name_or_path", TOKENIZER,
+        "--per_device_train_batch_size", "2"), env=STRAY, setup=save_tiny_llama),
+    # The fix the note names: fsdp_transformer_layer_cls_to_wrap in fsdp_config (FSDP_TRANSFORMER_CLS_TO_WRAP, what it sets).
+    "messages/moe-fixed": Run("cpu_fsdp2.yaml", RECIPE, (
+        *COMMON, "--output_dir", "{out}", "--model_name_or_path", "{in}", "--tokenizer_name_or_path", TOKENIZER,
+        "--per_device_train_batch_size", "2"), env={"FSDP_TRANSFORMER_CLS_TO_WRAP": "Qwen3_5MoeDecoderLayer"}, setup=_tiny_moe),
+})
+
+
+@pytest.mark.launches("messages/llama-stray")
+def test_an_unknown_setting_warns_in_a_llama_run_and_stops_a_qwen35_run(launched, tmp_path):
+    llama = launched("messages/llama-stray")
+    # Stock Accelerate's path for Llama, as without the stray name (it used to raise here).
+    assert "unknown setting(s) ['QWEN35_ACCEL_FOO']" in llama.stderr and PREPARED not in llama.stderr
+    history = losses(llama.out)
+    assert len(history) == 4 and history[-1] < history[0]
+
+    result = run_launch(
+        accelerate_launch_command("cpu_fsdp2.yaml", RECIPE, *COMMON, "--output_dir", str(tmp_path / "qwen35_out")),
+        env=STRAY,
+    )
+    assert result.returncode != 0 and PREPARED not in result.stderr, describe(result)
+    assert "ValueError: unknown setting(s) ['QWEN35_ACCEL_FOO']" in result.stderr, describe(result)
+
+
+@pytest.mark.launches("messages/moe-fixed")
+def test_a_qwen35_moe_model_is_told_it_takes_accelerates_path_and_how_its_wrap_policy_is_fixed(launched, tmp_path):
     moe = tmp_path / "moe"
     _tiny_moe(moe)
     args = (*COMMON, "--model_name_or_path", str(moe), "--tokenizer_name_or_path", TOKENIZER,
@@ -72,14 +79,7 @@ def test_a_qwen35_moe_model_is_told_it_takes_accelerates_path_and_how_its_wrap_p
     assert "Could not find the transformer layer class Qwen3_5MoeVisionBlock in the model." in result.stderr
 
     # The fix the line names works (stock Accelerate's FSDP2 on the MoE model).
-    config = tmp_path / "moe.yaml"
-    config.write_text((CONFIGS / "cpu_fsdp2.yaml").read_text().replace(
-        "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n",
-        "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: Qwen3_5MoeDecoderLayer\n",
-    ))
-    out = tmp_path / "b"
-    result = run_launch(accelerate_launch_command(str(config), RECIPE, *args, "--output_dir", str(out)))
-    assert result.returncode == 0, describe(result)
-    assert "Qwen3.5 MoE model" in result.stderr and "fsdp_transformer_layer_cls_to_wrap" not in result.stderr
-    history = losses(out)
+    fixed = launched("messages/moe-fixed")
+    assert "Qwen3.5 MoE model" in fixed.stderr and "fsdp_transformer_layer_cls_to_wrap" not in fixed.stderr
+    history = losses(fixed.out)
     assert len(history) == 4 and history[-1] < history[0]

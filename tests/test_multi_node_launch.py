@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from _launched import Run, register
 
 from qwen35_accel.testing.launch import CONFIGS, RECIPE, describe, run_launch
 from qwen35_accel.testing.local_world import free_port
-from test_trainer_launch import COMMON, PREPARED, SGD, assert_same_training, single
+from test_trainer_launch import COMMON, PREPARED, SGD, assert_same_training
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -33,9 +34,12 @@ def machine_command(config: Path, machine_rank: int, port: int, *args: str) -> l
     ]
 
 
-def test_two_machines_hsdp_trains_exactly_as_one_process(tmp_path):
-    reference = tmp_path / "single"
-    single(reference, "--per_device_train_batch_size", "4", *SGD)
+register(**{"multi_node/reference": Run(None, RECIPE, (*COMMON, "--output_dir", "{out}", "--per_device_train_batch_size", "4", *SGD))})
+
+
+@pytest.mark.launches("multi_node/reference")
+def test_two_machines_hsdp_trains_exactly_as_one_process(launched, tmp_path):
+    reference = launched("multi_node/reference").out
 
     # No shared filesystem: each machine its own output directory (and periodic checkpoint).
     outs = [tmp_path / "hsdp", tmp_path / "machine1"]

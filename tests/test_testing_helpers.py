@@ -114,3 +114,59 @@ def test_workers_left_behind_by_a_finished_command_are_reported_and_killed(tmp_p
     result = run_process_tree([sys.executable, "-c", _LAUNCHER_THAT_RETURNS, str(pid_file)], timeout=60)
     assert result.returncode == 0 and result.leftover_processes
     assert not is_running(int(pid_file.read_text()))
+
+
+class _Item:
+    """What `Launches` reads of a selected test: its `launches` markers."""
+
+    def __init__(self, *names: str) -> None:
+        self._mark = pytest.mark.launches(*names).mark
+
+    def iter_markers(self, name: str):
+        return iter([self._mark] if name == "launches" else [])
+
+
+_SHOW = """import json, os, sys
+print("stderr of", sys.argv[1], file=sys.stderr)
+os.makedirs(sys.argv[2], exist_ok=True)
+with open(os.path.join(sys.argv[2], "seen.json"), "w") as f:
+    json.dump({"argv": sys.argv[1:], "x": os.environ.get("SHOW_X"), "leaked": os.environ.get("SHOW_LEAK"),
+               "pid": os.getpid(), "main": __name__}, f)
+os.environ["SHOW_LEAK"] = "1"  # must not reach the next run
+"""
+
+
+def test_batched_runs_share_one_process_each_with_its_own_arguments_environment_and_stderr(tmp_path, monkeypatch):
+    import json
+
+    from _launched import RUNS, Launches, Run
+
+    script = tmp_path / "show.py"
+    script.write_text(_SHOW)
+    runs = {"helpers/a": Run(None, script, ("a", "{out}"), env={"SHOW_X": "1"}),
+            "helpers/b": Run(None, script, ("b", "{out}", "{out:helpers/a}"), after=("helpers/a",)),
+            "helpers/unselected": Run(None, script, ("u", "{out}"))}
+    for name, run in runs.items():
+        monkeypatch.setitem(RUNS, name, run)
+    launched = Launches([_Item("helpers/b")], tmp_path / "base")  # b reads a's output: a is launched too
+    b, a = launched("helpers/b"), launched("helpers/a")
+    seen_a, seen_b = (json.loads((r.out / "seen.json").read_text()) for r in (a, b))
+    assert seen_a["pid"] == seen_b["pid"] and seen_a["main"] == seen_b["main"] == "__main__"  # one process
+    assert seen_a["argv"] == ["a", str(a.out)] and seen_b["argv"] == ["b", str(b.out), str(a.out)]
+    assert (seen_a["x"], seen_b["x"], seen_b["leaked"]) == ("1", None, None)  # each run's own environment
+    assert a.stderr.strip() == "stderr of a" and b.stderr.strip() == "stderr of b"
+    assert not (tmp_path / "base" / "helpers_unselected").exists()
+
+
+def test_a_failed_run_fails_every_test_of_its_launch_with_the_output(tmp_path, monkeypatch):
+    from _launched import RUNS, Launches, Run
+
+    (tmp_path / "fail.py").write_text("raise RuntimeError('run a failed')\n")
+    (tmp_path / "ok.py").write_text("print('ran')\n")
+    monkeypatch.setitem(RUNS, "helpers/fail", Run(None, tmp_path / "fail.py"))
+    monkeypatch.setitem(RUNS, "helpers/after", Run(None, tmp_path / "ok.py"))
+    launched = Launches([_Item("helpers/fail"), _Item("helpers/after")], tmp_path / "base")
+    for name in ("helpers/after", "helpers/fail"):  # one launch; the second request does not relaunch
+        with pytest.raises(AssertionError, match=r"(?s)the launch of runs \['helpers/fail', 'helpers/after'\] failed.*run a failed"):
+            launched(name)
+    assert len(list((tmp_path / "base").glob("spec_*.json"))) == 1

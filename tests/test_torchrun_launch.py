@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _launched import Run, register
 from test_trainer_launch import assert_same_training
 
 from qwen35_accel.testing.launch import describe, run_launch
@@ -20,9 +21,12 @@ SCRIPT = Path(__file__).parent / "scripts" / "torchrun_trainer.py"
 PREPARED = "prepared by qwen35_accel"
 
 
-def test_torchrun_with_fsdp2_and_cp_in_training_arguments_trains_as_one_process(tmp_path):
-    single = run_launch([sys.executable, str(SCRIPT), str(tmp_path)])
-    assert single.returncode == 0, describe(single)
+register(**{"torchrun/single": Run(None, SCRIPT, ("{out}",))})  # one process: the reference, in {out}/single
+
+
+@pytest.mark.launches("torchrun/single")
+def test_torchrun_with_fsdp2_and_cp_in_training_arguments_trains_as_one_process(launched, tmp_path):
+    single = launched("torchrun/single").out / "single"
     # One torchrun, two Trainers one after the other: fsdp2 (dp 2), then cp 2.
     result = run_launch(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
@@ -36,5 +40,5 @@ def test_torchrun_with_fsdp2_and_cp_in_training_arguments_trains_as_one_process(
     # the saved weights: fp32 rtol 1e-5 for FSDP2 (the two ranks' gradients summed in another
     # order); 1e-4 under cp, as in test_trainer_launch.py (per-chunk partial gradients reduced over
     # cp, carried through 4 SGD steps at lr 0.3).
-    assert_same_training(tmp_path / "fsdp2", tmp_path / "single", rtol=1e-5, flos=True)
-    assert_same_training(tmp_path / "cp2", tmp_path / "single", rtol=1e-4, flos=True)
+    assert_same_training(tmp_path / "fsdp2", single, rtol=1e-5, flos=True)
+    assert_same_training(tmp_path / "cp2", single, rtol=1e-4, flos=True)

@@ -1,23 +1,24 @@
 """Trainer level: `accelerate launch --config_file accelerate_configs/… recipes/sft.py`,
 unchanged script, against one process without Accelerate launch.
 
-Each run is a real subprocess (the plugin activates itself through the torch entry
-point). Per-step losses come from the Trainer's own `trainer_state.json`, final
-weights from the saved Hugging Face checkpoint.
+Each run is a real launch (the plugin activates itself through the torch entry point); the
+runs of one config share one launch, the recipe's `main` run one after the other with a fresh
+Trainer and Accelerator each (tests/_launched.py). Per-step losses come from the Trainer's own
+`trainer_state.json`, final weights from the saved Hugging Face checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _launched import Run, register
 from _parity import assert_same_log_history
 from safetensors.torch import load_file
 
-from qwen35_accel.testing.launch import CONFIGS, RECIPE, accelerate_launch_command, describe, run_launch
+from qwen35_accel.testing.launch import RECIPE
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
@@ -37,18 +38,54 @@ SGD = ["--optim", "sgd", "--learning_rate", "0.3"]
 FIXED_LENGTH = ["--pad_to_multiple_of", "62"]
 
 
-def _checked(result):
-    assert result.returncode == 0, describe(result)
-    assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
-    return result
+def recipe_run(config: str | None, *args: str, **kwargs) -> Run:
+    """recipes/sft.py with COMMON and `args`, output in the run's `{out}` (tests/_launched.py)."""
+    return Run(config, RECIPE, (*COMMON, "--output_dir", "{out}", *args), **kwargs)
 
 
-def launch(config: str, out: Path, *args: str):
-    return _checked(run_launch(accelerate_launch_command(config, RECIPE, *COMMON, "--output_dir", str(out), *args)))
+SHARDED = {"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}  # what the config's fsdp_state_dict_type sets
+RESUME_FROM = ("--save_strategy", "steps", "--save_steps", "2")
 
 
-def single(out: Path, *args: str):
-    return _checked(run_launch([sys.executable, str(RECIPE), *COMMON, "--output_dir", str(out), *args]))
+def save_tiny_llama(path: Path) -> None:
+    """A tiny random Llama (the recipe's byte-level tokenizer fits it): a model the plugin leaves alone."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(
+        LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, eos_token_id=256, pad_token_id=256)
+    ).save_pretrained(path)
+
+
+# One launch per config for the whole module (and the other modules' runs of that config).
+register(**{
+    # One process, no launcher: per-device batch 4 = the global batch of every launch below.
+    "trainer/reference_sgd": recipe_run(None, "--per_device_train_batch_size", "4", *FIXED_LENGTH, *SGD),
+    **{f"trainer/fsdp2-{kind}": recipe_run("cpu_fsdp2.yaml", "--per_device_train_batch_size", "2", *FIXED_LENGTH, *SGD,
+                                           env=SHARDED if kind == "SHARDED_STATE_DICT" else {})
+       for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")},
+    "trainer/cp2": recipe_run("cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *FIXED_LENGTH, *SGD),
+    "trainer/dp2xcp2": recipe_run("cpu_fsdp2_dp2_cp2.yaml", "--per_device_train_batch_size", "2", *FIXED_LENGTH, *SGD),
+    "trainer/dp2xtp2": recipe_run("cpu_fsdp2_tp2.yaml", "--per_device_train_batch_size", "2", *FIXED_LENGTH, *SGD),
+    **{f"trainer/packed-{name}-{form}": recipe_run(config, "--per_device_train_batch_size", per_device, "--packing", *flags, *SGD)
+       for name, config, per_device in (("fsdp2", "cpu_fsdp2.yaml", "2"), ("cp2", "cpu_fsdp2_cp2.yaml", "4"))
+       for form, flags in (("position_ids", ()), ("cu_seq_lens", ("--packing_flash_attn_kwargs",)))},
+    "trainer/resume-full": recipe_run("cpu_fsdp2.yaml", "--per_device_train_batch_size", "2", *RESUME_FROM),
+    "trainer/resume-resumed": recipe_run("cpu_fsdp2.yaml", "--per_device_train_batch_size", "2", "--resume_from_checkpoint",
+                                         "{out:trainer/resume-full}/checkpoint-2", after=("trainer/resume-full",)),
+    "trainer/llama": recipe_run("cpu_fsdp2.yaml", "--model_name_or_path", "{in}", "--tokenizer_name_or_path",
+                                str(RECIPE.parent / "configs" / "tokenizer"), "--per_device_train_batch_size", "2",
+                                setup=save_tiny_llama),
+})
+for _kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+    _env = SHARDED if _kind == "SHARDED_STATE_DICT" else {}
+    register(**{f"trainer/tp-resume-{_kind}-full": recipe_run("cpu_fsdp2_tp2.yaml", "--per_device_train_batch_size", "2",
+                                                               *RESUME_FROM, env=_env)})
+    register(**{f"trainer/tp-resume-{_kind}-resumed": recipe_run(
+        "cpu_fsdp2_tp2.yaml", "--per_device_train_batch_size", "2",
+        "--resume_from_checkpoint", f"{{out:trainer/tp-resume-{_kind}-full}}/checkpoint-2", env=_env,
+        after=(f"trainer/tp-resume-{_kind}-full",))})
 
 
 def losses(out: Path, key: str = "loss") -> list[float]:
@@ -73,23 +110,25 @@ def assert_same_training(actual: Path, expected: Path, rtol: float, weight_atol:
     assert a["model.layers.0.linear_attn.A_log"].dtype == torch.float32
 
 
-@pytest.fixture(scope="module")
-def reference_sgd(tmp_path_factory) -> Path:
-    """One process, no launcher: per-device batch 4 = the global batch of every launch below."""
-    out = tmp_path_factory.mktemp("single_sgd")
-    single(out, "--per_device_train_batch_size", "4", *FIXED_LENGTH, *SGD)
-    return out
+def runs(*names: str):
+    return pytest.mark.launches(*names)
 
 
-@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
-def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_loadable_checkpoint(reference_sgd, tmp_path, state_dict_type):
+REFERENCE = "trainer/reference_sgd"
+
+
+@pytest.mark.parametrize(
+    "state_dict_type",
+    [pytest.param(kind, marks=runs(REFERENCE, f"trainer/fsdp2-{kind}")) for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")],
+)
+def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_loadable_checkpoint(launched, state_dict_type):
+    """cpu_fsdp2.yaml, its fsdp_state_dict_type set to the one under test (the FSDP plugin's
+    FSDP_STATE_DICT_TYPE, what the config's key sets)."""
     from transformers import AutoModelForCausalLM
 
-    config = tmp_path / "config.yaml"  # the shipped config, with the state dict type under test
-    config.write_text((CONFIGS / "cpu_fsdp2.yaml").read_text().replace("FULL_STATE_DICT", state_dict_type))
-    out = tmp_path / "fsdp2"
-    result = launch(str(config), out, "--per_device_train_batch_size", "2", *FIXED_LENGTH, *SGD)
-    assert PREPARED in result.stderr and "FSDP2 runs on CPU over gloo" in result.stderr
+    run, reference_sgd = launched(f"trainer/fsdp2-{state_dict_type}"), launched(REFERENCE).out
+    out = run.out
+    assert PREPARED in run.stderr and "FSDP2 runs on CPU over gloo" in run.stderr
     # fp32 rtol 1e-5: FSDP2 sums the two ranks' gradients in another order than one process.
     assert_same_training(out, reference_sgd, rtol=1e-5, flos=True)
 
@@ -102,93 +141,71 @@ def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_loadable_che
 
 
 @pytest.mark.parametrize(
-    "config,per_device,shows",
-    [("cpu_fsdp2_cp2.yaml", "4", "cp=2"), ("cpu_fsdp2_dp2_cp2.yaml", "2", "cp=2"), ("cpu_fsdp2_tp2.yaml", "2", "tp=2")],
-    ids=["cp2", "dp2xcp2", "dp2xtp2"],
+    "name,shows",
+    [pytest.param(name, shows, marks=runs(REFERENCE, f"trainer/{name}"), id=name)
+     for name, shows in (("cp2", "cp=2"), ("dp2xcp2", "cp=2"), ("dp2xtp2", "tp=2"))],
 )
-def test_context_and_tensor_parallel_launches_match_one_process(reference_sgd, tmp_path, config, per_device, shows):
+def test_context_and_tensor_parallel_launches_match_one_process(launched, name, shows):
     """Losses, grad norms, weights, and total_flos: the ranks of a cp or tp group hold one
     batch, which the Trainer must count once, with the whole model's parameters."""
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "run"
-    result = launch(config, out, "--per_device_train_batch_size", per_device, *FIXED_LENGTH, *SGD)
-    assert PREPARED in result.stderr and shows in result.stderr
+    run = launched(f"trainer/{name}")
+    assert PREPARED in run.stderr and shows in run.stderr
     # rtol 1e-4: under CP every gradient is a sum of per-chunk partials reduced over cp (and dp),
     # and 4 SGD steps at lr 0.3 carry those reduction-order differences into the later losses.
-    assert_same_training(out, reference_sgd, rtol=1e-4, flos=True)
-    assert AutoModelForCausalLM.from_pretrained(out).model.layers[0].linear_attn.A_log.dtype == torch.float32
+    assert_same_training(run.out, launched(REFERENCE).out, rtol=1e-4, flos=True)
+    assert AutoModelForCausalLM.from_pretrained(run.out).model.layers[0].linear_attn.A_log.dtype == torch.float32
 
 
-@pytest.mark.parametrize("form", [[], ["--packing_flash_attn_kwargs"]], ids=["position_ids", "cu_seq_lens"])
 @pytest.mark.parametrize(
-    "config,per_device,rtol",
+    "config,form,rtol",
     # fp32 rtol 1e-5: FSDP2's reduction order, and each document's kernels batched with others;
     # rtol 1e-4 under CP: as for the CP launches above (per-chunk partials over 4 SGD steps).
-    [("cpu_fsdp2.yaml", "2", 1e-5), ("cpu_fsdp2_cp2.yaml", "4", 1e-4)],
-    ids=["fsdp2", "cp2"],
+    [pytest.param(config, form, rtol, marks=runs(REFERENCE, f"trainer/packed-{config}-{form}"), id=f"{form}-{config}")
+     for config, rtol in (("fsdp2", 1e-5), ("cp2", 1e-4)) for form in ("position_ids", "cu_seq_lens")],
 )
-def test_packed_rows_through_a_launch_train_exactly_as_padded_rows_in_one_process(
-    reference_sgd, tmp_path, form, config, per_device, rtol
-):
+def test_packed_rows_through_a_launch_train_exactly_as_padded_rows_in_one_process(launched, config, form, rtol):
     """DataCollatorWithFlattening (one row per rank, documents restarting their positions)
     under FSDP2 on 2 processes, and under cp 2 (the row, of any length, padded to 2·cp by
     the Trainer patch point and split across the ranks), against the padded single-process
     run: packing computes every example on its own, so nothing but the layout may differ."""
-    out = tmp_path / "packed"
-    result = launch(config, out, "--per_device_train_batch_size", per_device, "--packing", *form, *SGD)
-    assert PREPARED in result.stderr
-    assert_same_training(out, reference_sgd, rtol=rtol)
+    run = launched(f"trainer/packed-{config}-{form}")
+    assert PREPARED in run.stderr
+    assert_same_training(run.out, launched(REFERENCE).out, rtol=rtol)
 
 
-def test_resume_from_checkpoint_continues_with_the_uninterrupted_losses(tmp_path):
-    full = tmp_path / "full"
-    launch("cpu_fsdp2.yaml", full, "--per_device_train_batch_size", "2", "--save_strategy", "steps", "--save_steps", "2")
-    checkpoint = full / "checkpoint-2"
-    assert checkpoint.is_dir()
-    resumed = tmp_path / "resumed"
-    launch(
-        "cpu_fsdp2.yaml", resumed, "--per_device_train_batch_size", "2", "--resume_from_checkpoint", str(checkpoint)
-    )
+@runs("trainer/resume-full", "trainer/resume-resumed")
+def test_resume_from_checkpoint_continues_with_the_uninterrupted_losses(launched):
+    full = launched("trainer/resume-full").out
+    assert (full / "checkpoint-2").is_dir()
+    resumed = launched("trainer/resume-resumed").out
     # Same layout on both sides; only the checkpoint round trip differs: fp32 rtol 1e-5.
     torch.testing.assert_close(torch.tensor(losses(resumed)[-2:]), torch.tensor(losses(full)[-2:]), rtol=1e-5, atol=0)
 
 
-def save_tiny_llama(path: Path) -> None:
-    """A tiny random Llama (the recipe's byte-level tokenizer fits it): a model the plugin leaves alone."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(
-        LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, eos_token_id=256, pad_token_id=256)
-    ).save_pretrained(path)
-
-
-def test_other_models_keep_accelerates_own_fsdp2_path_through_the_same_launch(tmp_path):
-    llama_dir = tmp_path / "llama"
-    save_tiny_llama(llama_dir)
-    out = tmp_path / "llama_out"
-    result = launch(
-        "cpu_fsdp2.yaml", out, "--model_name_or_path", str(llama_dir),
-        "--tokenizer_name_or_path", str(RECIPE.parent / "configs" / "tokenizer"), "--per_device_train_batch_size", "2",
-    )
-    assert PREPARED not in result.stderr and "FSDP2 runs on CPU over gloo" in result.stderr
-    history = losses(out)
+@runs("trainer/llama")
+def test_other_models_keep_accelerates_own_fsdp2_path_through_the_same_launch(launched):
+    """A Llama run in the launch of the module's Qwen3.5 runs: the plugin leaves it to stock Accelerate."""
+    run = launched("trainer/llama")
+    assert PREPARED not in run.stderr and "FSDP2 runs on CPU over gloo" in run.stderr
+    history = losses(run.out)
     assert history[-1] < history[0]
 
 
-@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
-def test_resuming_a_tensor_parallel_run_continues_with_the_uninterrupted_training(tmp_path, state_dict_type):
+@pytest.mark.parametrize(
+    "state_dict_type",
+    [pytest.param(kind, marks=runs(f"trainer/tp-resume-{kind}-full", f"trainer/tp-resume-{kind}-resumed"))
+     for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")],
+)
+def test_resuming_a_tensor_parallel_run_continues_with_the_uninterrupted_training(launched, state_dict_type):
     """dp 2 x tp 2: the Trainer's periodic checkpoint (model + AdamW state, Transformers
     layout) resumes into the per-head slices; steps 3-4 and the final weights repeat."""
-    config = tmp_path / "config.yaml"
-    config.write_text((CONFIGS / "cpu_fsdp2_tp2.yaml").read_text().replace("FULL_STATE_DICT", state_dict_type))
-    full = tmp_path / "full"
-    launch(str(config), full, "--per_device_train_batch_size", "2", "--save_strategy", "steps", "--save_steps", "2")
-    resumed = tmp_path / "resumed"
-    launch(str(config), resumed, "--per_device_train_batch_size", "2",
-           "--resume_from_checkpoint", str(full / "checkpoint-2"))
+    full = launched(f"trainer/tp-resume-{state_dict_type}-full").out
+    resumed = launched(f"trainer/tp-resume-{state_dict_type}-resumed").out
+    # The checkpoint in the layout under test (the run's FSDP_STATE_DICT_TYPE reached the FSDP plugin).
+    model_file = "pytorch_model_fsdp_0" if state_dict_type == "SHARDED_STATE_DICT" else "pytorch_model_fsdp.bin"
+    assert (full / "checkpoint-2" / model_file).exists(), sorted(p.name for p in (full / "checkpoint-2").iterdir())
     # Same dp x tp layout and AdamW on both sides (one reduction order); only the checkpoint
     # round trip (gather to Transformers' layout, slice on load) differs: fp32 rtol 1e-5.
     for key in ("loss", "grad_norm"):

@@ -22,23 +22,17 @@ parallelism by its own check; padding-free batches it passes, and they run under
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from _launched import Run, register
 from _parity import assert_same_log_history, log_history
 
-from qwen35_accel.testing.launch import REPO, accelerate_launch_command, describe, run_launch
+from qwen35_accel.testing.launch import REPO
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
 SCRIPT = REPO / "tests" / "scripts" / "trl_sft.py"
-
-
-def _run(command: list[str], env: dict[str, str] | None = None) -> None:
-    result = run_launch(command, env=env)
-    assert result.returncode == 0, describe(result)
-    assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
 
 
 def assert_same_log(got: Path, want: Path, rtol: float, skip: tuple[str, ...] = (), flos: bool = True) -> None:
@@ -53,55 +47,56 @@ def assert_same_log(got: Path, want: Path, rtol: float, skip: tuple[str, ...] = 
     assert_same_log_history(got, want, rtol=rtol, skip=skip, flos=flos)
 
 
-def single(out: Path, mode: str, *flags: str) -> Path:
-    _run([sys.executable, str(SCRIPT), str(out), mode, "4", *flags])  # per-device 4 = every launch's global batch
-    return out
+def runs(*names: str):
+    return pytest.mark.launches(*names)
 
 
-@pytest.fixture(scope="module")
-def padded(tmp_path_factory) -> Path:
-    return single(tmp_path_factory.mktemp("trl_padded"), "padded")
+CASES = {  # id: config, mode, per-device batch, environment
+    "fsdp2-padding-free": ("cpu_fsdp2.yaml", "padding_free", "2", {}),
+    # TRL counts a padding-free row's tokens by its length unless it has an attention mask:
+    # the row the plugin pads to a multiple of 2·cp must count only its own tokens.
+    "cp2-padding-free": ("cpu_fsdp2_cp2.yaml", "padding_free", "4", {}),
+    "cp2": ("cpu_fsdp2_cp2.yaml", "padded", "4", {}),
+    "dp2xcp2": ("cpu_fsdp2_dp2_cp2.yaml", "padded", "2", {}),
+    "dp2xtp2": ("cpu_fsdp2_tp2.yaml", "padded", "2", {}),
+    # The tiny model's lm_head is untied: split by vocab, TRL's fused head must combine the
+    # slices' log-probs, entropy and top-1 over the tp group.
+    "dp2xtp2-vocab-parallel": ("cpu_fsdp2_tp2.yaml", "padded", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}),
+}
+# One launch per config (with the other modules' runs of that config); one process for the
+# references (per-device 4 = every launch's global batch).
+register(**{
+    "trl/padded": Run(None, SCRIPT, ("{out}", "padded", "4")),
+    "trl/lora-reference": Run(None, SCRIPT, ("{out}", "padded", "4", "--lora")),
+    "trl/packing-reference": Run(None, SCRIPT, ("{out}", "packing", "4", "--packing_hook")),
+    **{f"trl/{case}": Run(config, SCRIPT, ("{out}", mode, per_device), env=env)
+       for case, (config, mode, per_device, env) in CASES.items()},
+    "trl/lora-cp2": Run("cpu_fsdp2_cp2.yaml", SCRIPT, ("{out}", "padded", "4", "--lora")),
+    "trl/packing": Run("cpu_fsdp2.yaml", SCRIPT, ("{out}", "packing", "2")),
+})
 
 
 @pytest.mark.parametrize(
-    "config,mode,per_device,env",
-    [
-        ("cpu_fsdp2.yaml", "padding_free", "2", {}),
-        # TRL counts a padding-free row's tokens by its length unless it has an attention mask:
-        # the row the plugin pads to a multiple of 2·cp must count only its own tokens.
-        ("cpu_fsdp2_cp2.yaml", "padding_free", "4", {}),
-        ("cpu_fsdp2_cp2.yaml", "padded", "4", {}),
-        ("cpu_fsdp2_dp2_cp2.yaml", "padded", "2", {}),
-        ("cpu_fsdp2_tp2.yaml", "padded", "2", {}),
-        # The tiny model's lm_head is untied: split by vocab, TRL's fused head must combine the
-        # slices' log-probs, entropy and top-1 over the tp group.
-        ("cpu_fsdp2_tp2.yaml", "padded", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}),
-    ],
-    ids=["fsdp2-padding-free", "cp2-padding-free", "cp2", "dp2xcp2", "dp2xtp2", "dp2xtp2-vocab-parallel"],
+    "case,mode", [pytest.param(case, c[1], marks=runs("trl/padded", f"trl/{case}"), id=case) for case, c in CASES.items()]
 )
-def test_sft_trainer_logs_what_one_process_logs(padded, tmp_path, config, mode, per_device, env):
-    out = tmp_path / "run"
-    _run(accelerate_launch_command(config, SCRIPT, str(out), mode, per_device), env)
+def test_sft_trainer_logs_what_one_process_logs(launched, case, mode):
+    out = launched(f"trl/{case}").out
     # fp32 rtol 1e-5: FSDP2's (and cp's, tp's) reduction order. Padding-free rows carry no attention
     # mask: the Trainer's non-padding count then takes their EOS tokens (the pad token) for padding,
     # the padded reference's mask does not, so that count is compared between padded runs only;
     # so is total_flos (it counts positions, padding included).
     skip = ("num_input_tokens_seen",) if mode == "padding_free" else ()
-    assert_same_log(out, padded, rtol=1e-5, skip=skip, flos=mode != "padding_free")
+    assert_same_log(out, launched("trl/padded").out, rtol=1e-5, skip=skip, flos=mode != "padding_free")
 
 
-def test_sft_trainer_with_lora_logs_what_one_process_logs(tmp_path):
-    reference = single(tmp_path / "reference", "padded", "--lora")
-    out = tmp_path / "cp2"
-    _run(accelerate_launch_command("cpu_fsdp2_cp2.yaml", SCRIPT, str(out), "padded", "4", "--lora"))
+@runs("trl/lora-reference", "trl/lora-cp2")
+def test_sft_trainer_with_lora_logs_what_one_process_logs(launched):
     # fp32 rtol 1e-5: as above.
-    assert_same_log(out, reference, rtol=1e-5)
+    assert_same_log(launched("trl/lora-cp2").out, launched("trl/lora-reference").out, rtol=1e-5)
 
 
-def test_sft_trainer_packing_logs_what_one_process_computing_each_document_alone_logs(tmp_path):
-    reference = single(tmp_path / "reference", "packing", "--packing_hook")
-    out = tmp_path / "packing"
-    _run(accelerate_launch_command("cpu_fsdp2.yaml", SCRIPT, str(out), "packing", "2"))
+@runs("trl/packing-reference", "trl/packing")
+def test_sft_trainer_packing_logs_what_one_process_computing_each_document_alone_logs(launched):
     # fp32 rtol 1e-5: FSDP2's reduction order. total_flos not compared: Transformers sums the
     # ranks' estimates in float32, which rounds these rows' counts (by 16 in 1e9 here; stock dp).
-    assert_same_log(out, reference, rtol=1e-5, flos=False)
+    assert_same_log(launched("trl/packing").out, launched("trl/packing-reference").out, rtol=1e-5, flos=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from _dist import run_world
+from _launched import Run, register
 from _parity import assert_close, assert_grads_match, assert_same_log_history, full, hf_name
 
 pytestmark = pytest.mark.multiprocess
@@ -247,30 +247,25 @@ def test_images_and_videos_in_one_tower_call_equal_transformers_two_calls():
     assert_grads_match(model, reference)
 
 MIXED_SCRIPT = Path(__file__).parent / "scripts" / "vlm_mixed.py"
-
-
-def _ran(command: list[str], env: dict[str, str] | None = None) -> str:
-    from qwen35_accel.testing.launch import describe, run_launch
-
-    result = run_launch(command, env=env)
-    assert result.returncode == 0, describe(result)
-    assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
-    return result.stderr
+MIXED_TOWERS = {"trainable": ((), {}), "frozen-shard": (("--frozen_tower",), {"QWEN35_ACCEL_FROZEN_MULTIMODAL_SHARDING": "shard"})}
+register(**{
+    name: run
+    for tower, (flags, env) in MIXED_TOWERS.items()
+    for name, run in (
+        (f"vlm/mixed-{tower}-single", Run(None, MIXED_SCRIPT, ("{out}", "--per_device_train_batch_size", "4", *flags))),
+        (f"vlm/mixed-{tower}", Run("cpu_fsdp2.yaml", MIXED_SCRIPT, ("{out}", "--per_device_train_batch_size", "2", *flags), env=env)),
+    )
+})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tower,env", [("trainable", {}), ("frozen", {"QWEN35_ACCEL_FROZEN_MULTIMODAL_SHARDING": "shard"})],
-                         ids=["trainable", "frozen-shard"])
-def test_trainer_on_a_mixed_image_text_dataset_under_fsdp2_logs_one_process_losses_and_grad_norms(tmp_path, tower, env):
+@pytest.mark.parametrize(
+    "tower", [pytest.param(t, marks=pytest.mark.launches(f"vlm/mixed-{t}-single", f"vlm/mixed-{t}")) for t in MIXED_TOWERS]
+)
+def test_trainer_on_a_mixed_image_text_dataset_under_fsdp2_logs_one_process_losses_and_grad_norms(launched, tower):
     """tests/scripts/vlm_mixed.py: every micro-step mixes ranks with and without images (a video too);
     2 micro-steps per step. The launch's per-step loss and grad_norm equal one process's."""
-    from qwen35_accel.testing.launch import accelerate_launch_command
-
-    flags = ["--frozen_tower"] if tower == "frozen" else []
-    single, launched = tmp_path / "single", tmp_path / "launched"
-    _ran([sys.executable, str(MIXED_SCRIPT), str(single), "--per_device_train_batch_size", "4", *flags])
-    stderr = _ran(accelerate_launch_command("cpu_fsdp2.yaml", MIXED_SCRIPT, str(launched), "--per_device_train_batch_size", "2",
-                                            *flags), env)
-    assert "Qwen3_5ForConditionalGeneration prepared by qwen35_accel" in stderr
+    launch = launched(f"vlm/mixed-{tower}")
+    assert "Qwen3_5ForConditionalGeneration prepared by qwen35_accel" in launch.stderr
     # fp32: the launch sums the same terms in another order (ranks, FSDP2 reduce-scatters).
-    assert_same_log_history(launched, single, rtol=1e-5)
+    assert_same_log_history(launch.out, launched(f"vlm/mixed-{tower}-single").out, rtol=1e-5)

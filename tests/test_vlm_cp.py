@@ -5,7 +5,6 @@ logits equal one process on the global batch."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_world
+from _launched import Run, register
 from _parity import assert_close, assert_same_log_history, hf_name
 
 pytestmark = pytest.mark.multiprocess
@@ -171,21 +171,21 @@ def _launched(command: list[str]):
     return run_launch(command)
 
 
+register(**{"vlm_cp/single": Run(None, SCRIPT, ("{out}",)), "vlm_cp/cp2": Run("cpu_fsdp2_cp2.yaml", SCRIPT, ("{out}",))})
+
+
 @pytest.mark.slow
-def test_trainer_with_images_under_cp2_trains_evaluates_and_predicts_as_one_process(tmp_path):
+@pytest.mark.launches("vlm_cp/single", "vlm_cp/cp2")
+def test_trainer_with_images_under_cp2_trains_evaluates_and_predicts_as_one_process(launched):
     """tests/scripts/vlm_cp.py: a collator's VLM batches (images of several sizes across chunk
     boundaries, a video, padding, a text-only row) under cpu_fsdp2_cp2.yaml: the per-step losses
     and grad norms, evaluate()'s loss and metrics and predict()'s logits equal one process's."""
-    from qwen35_accel.testing.launch import accelerate_launch_command, describe
-
-    single, launched = tmp_path / "single", tmp_path / "launched"
-    for result in (_launched([sys.executable, str(SCRIPT), str(single)]),
-                   _launched(accelerate_launch_command("cpu_fsdp2_cp2.yaml", SCRIPT, str(launched)))):
-        assert result.returncode == 0 and not result.leftover_processes, describe(result)
+    result = launched("vlm_cp/cp2")
+    single, launched_out = launched("vlm_cp/single").out, result.out
     assert "Qwen3_5ForConditionalGeneration prepared by qwen35_accel" in result.stderr and "cp=2" in result.stderr
     # fp32: the launch sums the same terms in another order (chunks, ranks).
-    assert_same_log_history(launched, single, rtol=1e-5)
-    got, want = (torch.load(out / "predictions.pt") for out in (launched, single))
+    assert_same_log_history(launched_out, single, rtol=1e-5)
+    got, want = (torch.load(out / "predictions.pt") for out in (launched_out, single))
     torch.testing.assert_close(got["label_ids"], want["label_ids"], rtol=0, atol=0)
     # Where the row has tokens: a right-padded query's output is not defined under CP (test_cp_model).
     labels = want["label_ids"]

@@ -7,14 +7,13 @@ checkpointing (its blocks checkpointed: what each block was called with stays)."
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from _cli import run_cli
 from _dist import run_world
 from qwen35_accel.memory import ModelShape, Parallel, StepOptions, VisionShape, estimate, vision_activations
 
@@ -36,8 +35,7 @@ def _config():
 
 
 def _plan(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qwen35_accel.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env={**os.environ, **(env or {})})
+    return run_cli("plan", *args, env=env)  # in this process (tests/_cli.py)
 
 
 def _local_bytes(tensors) -> int:

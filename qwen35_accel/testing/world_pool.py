@@ -35,10 +35,11 @@ from ..local_world import _DUMP_SIGNAL, DEFAULT_TIMEOUT_S, _dump_stacks_and_kill
 FRESH_WORLDS_VARIABLE = "QWEN35_TESTING_FRESH_WORLDS"
 
 
-def _reset_process_state(
+def reset_process_state(
     environ: dict[str, str], path: list[str], filters: list[Any], dtype: torch.dtype, deterministic: bool, threads: int
 ) -> None:
-    """Put back what a task may have changed in this rank's process."""
+    """Put back what a task may have changed in this process (a pooled rank's, or one running
+    several scripts one after the other: tests/scripts/several_runs.py)."""
     os.environ.clear()
     os.environ.update(environ)
     sys.path[:] = path
@@ -79,7 +80,7 @@ def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> N
             sys.stdout.flush()
             sys.stderr.flush()
             time.sleep(3600)  # peers may be stuck in a collective: the parent kills us all
-        _reset_process_state(environ, path, filters, dtype, deterministic, threads)
+        reset_process_state(environ, path, filters, dtype, deterministic, threads)
         results.put((rank, None))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,0 +1,138 @@
+"""Script runs batched into one launch per Accelerate config (and one process for the runs
+without a launcher): the interpreter start and the imports of torch, Transformers, TRL and
+Accelerate (10-20 s per process on a 2-core machine) are paid once per config, not per run.
+
+A test module registers its runs at import (`register`); a test names the runs it reads
+with `@pytest.mark.launches(NAME, …)` (a parametrized case: `marks=` on its `pytest.param`)
+and gets each one's output directory and stderr lines from the session fixture `launched`
+(conftest.py). The first request for a config launches, once, every run of that config that a
+selected test names (`tests/scripts/several_runs.py`, in registration order, so a run that
+resumes another's checkpoint comes after it). Each test asserts on its own run as it did on
+its own launch; a run that fails fails the launch, and every test of it, with the output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qwen35_accel.testing.launch import LAUNCH_TIMEOUT_S, REPO, accelerate_launch_command, describe, run_launch
+
+DRIVER = REPO / "tests" / "scripts" / "several_runs.py"
+MARK = "[several_runs]"
+RUN_TIMEOUT_S = 240.0  # added to a launch's timeout per run it holds (a tiny run takes 5-60 s)
+
+
+@dataclass(eq=False)
+class Run:
+    """One run of `script`: `python SCRIPT ARGV…`, or under `accelerate launch --config_file
+    CONFIG` (a name in accelerate_configs/ or a path). In `argv`, `{out}` is this run's output
+    directory, `{in}` a directory `setup(path)` fills in the test process before the launch
+    (a checkpoint to load), `{out:NAME}` another run's output directory (`after` must name it).
+    `env`: added to the environment for this run alone (read by the plugin and the FSDP plugin
+    at `prepare`)."""
+
+    config: str | None
+    script: Path
+    argv: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    after: tuple[str, ...] = ()
+    setup: Callable[[Path], None] | None = None
+
+
+RUNS: dict[str, Run] = {}
+
+
+def register(**runs: Run) -> None:
+    """Add runs by name (unique across the suite: prefix them with the module's subject)."""
+    for name, run in runs.items():
+        assert name not in RUNS, f"run {name!r} registered twice"
+        assert all(dep in RUNS for dep in run.after), f"run {name!r}: register {run.after} before it"
+        RUNS[name] = run
+
+
+@dataclass
+class Launched:
+    """A finished run: its output directory, the directory its `setup` filled (`{in}`), and the
+    stderr lines rank 0 printed during it."""
+
+    out: Path
+    inputs: Path
+    stderr: str
+    launch: subprocess.CompletedProcess[str]
+
+
+def _closure(names: set[str]) -> set[str]:
+    todo, found = list(names), set()
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found.add(name)
+            todo.extend(RUNS[name].after)
+    return found
+
+
+def _segment(stderr: str, name: str) -> str:
+    match = re.search(rf"^{re.escape(MARK)} begin {re.escape(name)}\n(.*?)^{re.escape(MARK)} end {re.escape(name)}$",
+                      stderr, re.S | re.M)
+    assert match, f"no output of run {name!r} in the launch's stderr"
+    return match.group(1)
+
+
+class Launches:
+    """The session's batched launches (the `launched` fixture)."""
+
+    def __init__(self, items: list, base: Path) -> None:
+        wanted = {name for item in items for marker in item.iter_markers("launches") for name in marker.args}
+        unknown = wanted - set(RUNS)
+        assert not unknown, f"@pytest.mark.launches names unregistered runs {sorted(unknown)}"
+        self._wanted, self._base = _closure(wanted), base
+        self._done: dict[str, Launched] = {}
+        self._failed: dict[str, str] = {}
+
+    def _dir(self, name: str) -> Path:
+        return self._base / re.sub(r"[^\w.-]", "_", name)
+
+    def _argv(self, name: str) -> list[str]:
+        def fill(arg: str) -> str:
+            arg = re.sub(r"\{out:([^}]+)\}", lambda m: str(self._dir(m.group(1)) / "out"), arg)
+            return arg.replace("{out}", str(self._dir(name) / "out")).replace("{in}", str(self._dir(name) / "in"))
+
+        return [fill(a) for a in RUNS[name].argv]
+
+    def __call__(self, name: str) -> Launched:
+        if name not in self._done and name not in self._failed:
+            self._launch(name)
+        if name in self._failed:
+            raise AssertionError(self._failed[name])
+        return self._done[name]
+
+    def _launch(self, name: str) -> None:
+        config = RUNS[name].config
+        pending = self._wanted | _closure({name})
+        batch = [n for n, run in RUNS.items() if n in pending and run.config == config and n not in self._done]
+        specs = []
+        for n in batch:
+            run = RUNS[n]
+            self._dir(n).mkdir(parents=True, exist_ok=True)
+            if run.setup is not None:
+                (self._dir(n) / "in").mkdir(exist_ok=True)
+                run.setup(self._dir(n) / "in")
+            specs.append({"name": n, "script": str(run.script), "argv": self._argv(n), "env": dict(run.env)})
+        spec = self._base / f"spec_{len(list(self._base.glob('spec_*')))}.json"
+        spec.write_text(json.dumps(specs, indent=1))
+        command = ([sys.executable, str(DRIVER), str(spec)] if config is None
+                   else accelerate_launch_command(config, DRIVER, str(spec)))
+        result = run_launch(command, timeout=LAUNCH_TIMEOUT_S + RUN_TIMEOUT_S * len(batch))
+        if result.returncode != 0 or result.leftover_processes:
+            why = "ranks outlived the launcher" if result.returncode == 0 else "failed"
+            for n in batch:
+                self._failed[n] = f"the launch of runs {batch} {why} (this test's run: {n})\n{describe(result)}"
+            return
+        for n in batch:
+            self._done[n] = Launched(self._dir(n) / "out", self._dir(n) / "in", _segment(result.stderr, n), result)

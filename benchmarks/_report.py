@@ -80,6 +80,24 @@ def versions() -> str:
             f"Python {platform.python_version()}")
 
 
+def slowest_rank_steps(results: list[dict]) -> list[float]:
+    """One world's step times, step by step, as its slowest rank took them (`results`: each rank's
+    dict with its "times" list)."""
+    return [max(ts) for ts in zip(*(res["times"] for res in results))]
+
+
+def write_gathered(result: dict, world: int, rank: int, out_path: str) -> None:
+    """All-gather every rank's `result` (a JSON-able dict) and have rank 0 write the list to `out_path`."""
+    import json
+
+    import torch.distributed as dist
+
+    gathered: list[dict | None] = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(gathered))
+
+
 class Run:
     """One benchmark run: the command line and the start (date, load) are taken now."""
 

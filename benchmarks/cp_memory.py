@@ -98,8 +98,6 @@ def _param_storages(model: torch.nn.Module) -> set[int]:
 
 
 def _worker(rank: int, world: int, cp: int, seq: int, backward: bool, shape: dict[str, Any], out_path: str) -> None:
-    import torch.distributed as dist
-
     model, mesh = build_parallel_model(cp, seq, shape)
     batch = make_batch(cp, seq, mesh, shape)
     rss_before = _rss_mib()
@@ -152,10 +150,7 @@ def _worker(rank: int, world: int, cp: int, seq: int, backward: bool, shape: dic
         "loss": float(loss.detach()),
         "local_tokens": int(batch["input_ids"].shape[1]),
     }
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(gathered))
+    _report.write_gathered(result, world, rank, out_path)
 
 
 def _mib(n: float) -> str:

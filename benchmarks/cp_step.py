@@ -100,10 +100,7 @@ def main() -> None:
                 this_round[cp] = json.loads(Path(path).read_text())
             rounds.append(this_round)
 
-    def world_steps(results: list[dict]) -> list[float]:
-        return [max(ts) for ts in zip(*(res["times"] for res in results))]  # the slowest rank, step by step
-
-    all_steps = {cp: [t for rd in rounds for t in world_steps(rd[cp])] for cp in configs}
+    all_steps = {cp: [t for rd in rounds for t in _report.slowest_rank_steps(rd[cp])] for cp in configs}
     med = {cp: statistics.median(v) for cp, v in all_steps.items()}
     ratio = med[args.cp] / med[1]
     lines = [
@@ -127,7 +124,7 @@ def main() -> None:
         f"\n**Step time per rank, cp {args.cp} / cp 1 (medians): {ratio:.3f}** (ideal {1 / args.cp:.3f}: each rank "
         f"holds 1/{args.cp} of the tokens; > ideal = CP overhead, < ideal = the cp 1 run pays super-linear costs)."
     )
-    per_round = [statistics.median(world_steps(rd[args.cp])) / statistics.median(world_steps(rd[1])) for rd in rounds]
+    per_round = [statistics.median(_report.slowest_rank_steps(rd[args.cp])) / statistics.median(_report.slowest_rank_steps(rd[1])) for rd in rounds]
     lines.append("Per round (median cp 2 / median cp 1): " + ", ".join(f"{x:.3f}" for x in per_round) + ".")
     cpu_steps = {cp: [max(cs) for rd in rounds for cs in zip(*(res["cpu"] for res in rd[cp]))] for cp in configs}
     cpu_med = {cp: statistics.median(v) for cp, v in cpu_steps.items()}

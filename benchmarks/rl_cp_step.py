@@ -158,10 +158,7 @@ def _worker(rank: int, world: int, args: dict[str, Any], shape: dict[str, Any], 
         gen_cpu.append(time.process_time() - cpu_start)
     result = {"rank": rank, "times": times, "cpu": cpu, "loss": loss, "logp": logp, "grad_norm": grad_norm, "saved": saved,
               "generate_s": gen_times[-1], "generate_cpu_s": gen_cpu[-1], "generated": ids[:, prompt:].tolist()}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(gathered))
+    _report.write_gathered(result, world, rank, out_path)
 
 
 def _mib(n: float) -> str:
@@ -204,10 +201,7 @@ def main() -> None:
                 this_round[cp] = json.loads(Path(path).read_text())
             rounds.append(this_round)
 
-    def world_steps(results: list[dict]) -> list[float]:
-        return [max(ts) for ts in zip(*(res["times"] for res in results))]  # the slowest rank, step by step
-
-    steps = {cp: [t for rd in rounds for t in world_steps(rd[cp])] for cp in configs}
+    steps = {cp: [t for rd in rounds for t in _report.slowest_rank_steps(rd[cp])] for cp in configs}
     med = {cp: statistics.median(v) for cp, v in steps.items()}
     cpu = {cp: statistics.median(max(cs) for rd in rounds for cs in zip(*(res["cpu"] for res in rd[cp]))) for cp in configs}
     gen = {cp: statistics.median(max(res["generate_s"] for res in rd[cp]) for rd in rounds) for cp in configs}

@@ -16,8 +16,7 @@ from _parity import assert_same_log_history, log_history
 from qwen35_accel.testing.launch import (
     REPO,
     accelerate_launch_command,
-    describe,
-    run_launch,
+    run_to_completion,
 )
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
@@ -27,17 +26,12 @@ DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewa
                "logps/rejected", "num_tokens")
 
 
-def _run(command: list[str]) -> str:
-    result = run_launch(command)
-    assert result.returncode == 0, describe(result)
-    assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
-    return result.stderr
 
 
 @pytest.fixture(scope="module")
 def dpo_one_process(tmp_path_factory) -> Path:
     single = tmp_path_factory.mktemp("dpo") / "single"
-    _run([sys.executable, str(REPO / "tests" / "scripts" / "trl_dpo.py"), str(single), "4"])  # = the launches' global batch
+    run_to_completion([sys.executable, str(REPO / "tests" / "scripts" / "trl_dpo.py"), str(single), "4"])  # = the launches' global batch
     return single
 
 
@@ -45,7 +39,7 @@ def dpo_one_process(tmp_path_factory) -> Path:
 def test_dpo_trainer_with_a_reference_model_matches_one_process(tmp_path, config, dpo_one_process):
     script = REPO / "tests" / "scripts" / "trl_dpo.py"
     out = tmp_path / "run"
-    stderr = _run(accelerate_launch_command(config, script, str(out), "2"))
+    stderr = run_to_completion(accelerate_launch_command(config, script, str(out), "2"))
     assert stderr.count(PREPARED) == 2, "the reference model did not get qwen35_accel's units"
     logged = [e for e in log_history(out) if "loss" in e]
     assert len(logged) == 4 and all(key in logged[0] for key in DPO_METRICS)
@@ -60,9 +54,9 @@ def test_dpo_trainer_with_a_reference_model_matches_one_process(tmp_path, config
 def test_prepare_with_a_frozen_reference_model_prepares_both_and_matches_one_process(tmp_path, config):
     script = REPO / "tests" / "scripts" / "two_models.py"
     single = tmp_path / "single"
-    _run([sys.executable, str(script), str(single)])
+    run_to_completion([sys.executable, str(script), str(single)])
     out = tmp_path / "run"
-    stderr = _run(accelerate_launch_command(config, script, str(out)))
+    stderr = run_to_completion(accelerate_launch_command(config, script, str(out)))
     assert stderr.count(PREPARED) == 2
     got, want = (json.loads((d / "losses.json").read_text()) for d in (out, single))
     assert got["prepared"] == [True, True]

@@ -26,7 +26,7 @@ import torch
 from _parity import assert_same_log_history, log_history
 
 from qwen35_accel.local_world import free_port
-from qwen35_accel.testing.launch import CONFIGS, REPO, accelerate_launch_command, describe, run_launch
+from qwen35_accel.testing.launch import CONFIGS, REPO, accelerate_launch_command, run_to_completion
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
@@ -35,12 +35,6 @@ DPO_VARIANTS = "sigmoid,ipo,sigmoid-precompute"
 KTO_VARIANTS = "kto,kto-precompute"
 
 
-def _run(command: list[str], env: dict[str, str] | None = None) -> str:
-    """Run to completion; returns stdout and stderr together."""
-    result = run_launch(command, env=env)
-    assert result.returncode == 0, describe(result)
-    assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
-    return result.stdout + result.stderr
 
 
 def _trained(out: Path, metric: str) -> None:
@@ -53,7 +47,7 @@ def _trained(out: Path, metric: str) -> None:
 @pytest.fixture(scope="module")
 def dpo_one_process(tmp_path_factory) -> Path:
     single = tmp_path_factory.mktemp("dpo") / "single"
-    _run([sys.executable, str(DPO), str(single), "4", "--variants", DPO_VARIANTS, "--eval"])  # the launches' global batch
+    run_to_completion([sys.executable, str(DPO), str(single), "4", "--variants", DPO_VARIANTS, "--eval"])  # the launches' global batch
     for variant in DPO_VARIANTS.split(","):
         _trained(single / variant, "rewards/chosen")
     return single
@@ -65,7 +59,7 @@ def test_dpo_trainer_under_cp_logs_what_one_process_logs(tmp_path, dpo_one_proce
     """Sigmoid and IPO (which divides by the completions' lengths) with a reference model, and the
     reference log-probs precomputed over the dataset: one launch, the variants one after the other."""
     out = tmp_path / "run"
-    _run(accelerate_launch_command(config, DPO, str(out), per_device, "--variants", DPO_VARIANTS, "--eval"))
+    run_to_completion(accelerate_launch_command(config, DPO, str(out), per_device, "--variants", DPO_VARIANTS, "--eval"))
     for variant in DPO_VARIANTS.split(","):
         # fp32 rtol 1e-5: the reduction order over chunks and ranks; atol 1e-6: the rewards are
         # beta × (log-prob − reference log-prob), differences of terms of ~6 (beta 0.1 × ~60 nats).
@@ -87,7 +81,7 @@ def test_dpo_trainer_under_tp_logs_what_one_process_logs(tmp_path, dpo_one_proce
         config.write_text(text.replace("parallelism_config_dp_shard_size: 2", "parallelism_config_dp_shard_size: 1")
                           .replace("parallelism_config_tp_size: 1", "parallelism_config_tp_size: 2"))
     out = tmp_path / "run"
-    _run(accelerate_launch_command(config, DPO, str(out), per_device, "--variants", DPO_VARIANTS, "--eval"), env)
+    run_to_completion(accelerate_launch_command(config, DPO, str(out), per_device, "--variants", DPO_VARIANTS, "--eval"), env)
     for variant in DPO_VARIANTS.split(","):
         assert_same_log_history(out / variant, dpo_one_process / variant, rtol=1e-5, atol=1e-6)  # as under cp
 
@@ -95,8 +89,8 @@ def test_dpo_trainer_under_tp_logs_what_one_process_logs(tmp_path, dpo_one_proce
 def test_dpo_trainer_with_lora_under_cp_logs_what_one_process_logs(tmp_path):
     """No reference model: TRL takes the reference log-probs from the policy with its adapters off."""
     single, cp2 = tmp_path / "single", tmp_path / "cp2"
-    _run([sys.executable, str(DPO), str(single), "4", "lora", "--variants", "sigmoid", "--eval"])
-    _run(accelerate_launch_command("cpu_fsdp2_cp2.yaml", DPO, str(cp2), "4", "lora", "--variants", "sigmoid", "--eval"))
+    run_to_completion([sys.executable, str(DPO), str(single), "4", "lora", "--variants", "sigmoid", "--eval"])
+    run_to_completion(accelerate_launch_command("cpu_fsdp2_cp2.yaml", DPO, str(cp2), "4", "lora", "--variants", "sigmoid", "--eval"))
     _trained(single / "sigmoid", "rewards/chosen")
     assert_same_log_history(cp2 / "sigmoid", single / "sigmoid", rtol=1e-5, atol=1e-6)  # as above
 
@@ -105,8 +99,8 @@ def test_kto_trainer_under_cp_logs_what_one_process_logs(tmp_path):
     """Rows of their own lengths (the plugin pads them to a multiple of 2·cp), the KL term from
     mismatched completions, with a reference model and with precomputed reference log-probs."""
     single, cp2 = tmp_path / "single", tmp_path / "cp2"
-    _run([sys.executable, str(KTO), str(single), "4", KTO_VARIANTS])
-    _run(accelerate_launch_command("cpu_fsdp2_cp2.yaml", KTO, str(cp2), "4", KTO_VARIANTS))
+    run_to_completion([sys.executable, str(KTO), str(single), "4", KTO_VARIANTS])
+    run_to_completion(accelerate_launch_command("cpu_fsdp2_cp2.yaml", KTO, str(cp2), "4", KTO_VARIANTS))
     for variant in KTO_VARIANTS.split(","):
         _trained(single / variant, "rewards/chosen")
         # As DPO's; `kl` apart: a mean of (policy − reference) log-probs of ~40 nats each, ~0.2
@@ -153,8 +147,8 @@ def test_trl_dpo_cli_under_cp_logs_what_one_process_logs(tmp_path):
     ]
     trl = [sys.executable, "-m", "trl.cli.main", "dpo"]  # the `trl` console script's entry point
     env = {"HF_HOME": str(tmp_path / "hf")}
-    _run([*trl, *common, "--output_dir", str(tmp_path / "single")], env)
-    output = _run([*trl, *common, "--output_dir", str(tmp_path / "cp2"), "--accelerate_config",
+    run_to_completion([*trl, *common, "--output_dir", str(tmp_path / "single")], env)
+    output = run_to_completion([*trl, *common, "--output_dir", str(tmp_path / "cp2"), "--accelerate_config",
                    str(CONFIGS / "cpu_fsdp2_cp2.yaml"), "--main_process_port", str(free_port())], env)
     assert output.count("prepared by qwen35_accel") == 2 and "cp=2" in output, output[-3000:]  # policy and reference
     single, cp2 = tmp_path / "single" / "checkpoint-4", tmp_path / "cp2" / "checkpoint-4"

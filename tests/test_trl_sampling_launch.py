@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from _parity import assert_same_log_history, log_history
 
-from qwen35_accel.testing.launch import REPO, accelerate_launch_command, assert_refused_on_every_rank, describe, run_launch
+from qwen35_accel.testing.launch import REPO, accelerate_launch_command, assert_refused_on_every_rank, run_launch, run_to_completion
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch
 
@@ -32,15 +32,9 @@ CP_VARIANTS = "dapo_eval,grpo,dr_grpo,rloo"
 DP_VARIANTS = "dapo_eval,grpo,dr_grpo"
 
 
-def _run(command: list[str], env: dict[str, str] | None = None) -> str:
-    """Run to completion; returns stdout and stderr together."""
-    result = run_launch(command, env=env)
-    assert result.returncode == 0, describe(result)
-    assert not result.leftover_processes, f"ranks outlived the launcher\n{describe(result)}"
-    return result.stdout + result.stderr
 
 
-def _assert_same_run(got: Path, want: Path, variants: str, replicas: int, ranks: int) -> None:
+def _assert_samerun_to_completion(got: Path, want: Path, variants: str, replicas: int, ranks: int) -> None:
     """`got`'s ranks (a cp×tp group per replica, rank-major) trained on `want`'s completions (one
     process per replica) and logged `want`'s values."""
     share = ranks // replicas
@@ -57,22 +51,22 @@ def _assert_same_run(got: Path, want: Path, variants: str, replicas: int, ranks:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("grpo") / "single"
-    _run([sys.executable, str(SCRIPT), str(out), PER_DEVICE, "--variants", CP_VARIANTS])
+    run_to_completion([sys.executable, str(SCRIPT), str(out), PER_DEVICE, "--variants", CP_VARIANTS])
     return out
 
 
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("grpo") / "dp2"
-    _run(accelerate_launch_command("cpu_fsdp2.yaml", SCRIPT, str(out), PER_DEVICE, "--variants", DP_VARIANTS))
+    run_to_completion(accelerate_launch_command("cpu_fsdp2.yaml", SCRIPT, str(out), PER_DEVICE, "--variants", DP_VARIANTS))
     return out
 
 
 def test_grpo_and_rloo_under_cp2_equal_one_process_completion_for_completion(tmp_path, one_process):
     out = tmp_path / "cp2"
-    stderr = _run(accelerate_launch_command("cpu_fsdp2_cp2.yaml", SCRIPT, str(out), PER_DEVICE, "--variants", CP_VARIANTS))
+    stderr = run_to_completion(accelerate_launch_command("cpu_fsdp2_cp2.yaml", SCRIPT, str(out), PER_DEVICE, "--variants", CP_VARIANTS))
     assert stderr.count(PREPARED) == 7, "policy and reference models: qwen35_accel's units (grpo has no reference)"
-    _assert_same_run(out, one_process, CP_VARIANTS, replicas=1, ranks=2)
+    _assert_samerun_to_completion(out, one_process, CP_VARIANTS, replicas=1, ranks=2)
     logged = [e for e in log_history(out / "dapo_eval") if "kl" in e]
     assert any("eval_loss" in e for e in log_history(out / "dapo_eval")), "no evaluation ran"
     assert logged[0]["kl"] == 0.0 and logged[1]["kl"] > 0, "the reference model is the policy before its first update"
@@ -85,8 +79,8 @@ def test_grpo_and_rloo_under_cp2_equal_one_process_completion_for_completion(tmp
 def test_grpo_under_dp2_times_cp2_or_tp2_equals_dp2(tmp_path, config, dp2):
     variants = DP_VARIANTS if "cp2" in config else "dapo_eval,grpo"
     out = tmp_path / "run"
-    _run(accelerate_launch_command(config, SCRIPT, str(out), PER_DEVICE, "--variants", variants))
-    _assert_same_run(out, dp2, variants, replicas=2, ranks=4)
+    run_to_completion(accelerate_launch_command(config, SCRIPT, str(out), PER_DEVICE, "--variants", variants))
+    _assert_samerun_to_completion(out, dp2, variants, replicas=2, ranks=4)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -135,8 +129,8 @@ def test_trl_grpo_cli_with_a_reward_from_a_module_path_under_cp_logs_what_one_pr
     ]
     trl = [sys.executable, "-m", "trl.cli.main", "grpo"]  # the `trl` console script's entry point
     env = {"HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    _run([*trl, *common, "--output_dir", str(tmp_path / "single")], env)
-    output = _run([*trl, *common, "--output_dir", str(tmp_path / "cp2"), "--accelerate_config",
+    run_to_completion([*trl, *common, "--output_dir", str(tmp_path / "single")], env)
+    output = run_to_completion([*trl, *common, "--output_dir", str(tmp_path / "cp2"), "--accelerate_config",
                    str(CONFIGS / "cpu_fsdp2_cp2.yaml"), "--main_process_port", str(free_port())], env)
     assert output.count(PREPARED) == 2, output[-3000:]  # policy and reference
     single, cp2 = tmp_path / "single" / "checkpoint-2", tmp_path / "cp2" / "checkpoint-2"

@@ -47,6 +47,14 @@ def run_launch(
     return run_process_tree(command, timeout=timeout, env=launch_env(env), cwd=REPO)
 
 
+def run_to_completion(command: list[str], env: Mapping[str, str] | None = None) -> str:
+    """`run_launch`, asserting it exited 0 and left no rank behind; returns stdout and stderr together."""
+    result = run_launch(command, env=env)
+    assert result.returncode == 0, describe(result)
+    assert not getattr(result, "leftover_processes", False), f"ranks outlived the launcher\n{describe(result)}"
+    return result.stdout + result.stderr
+
+
 def describe(result: subprocess.CompletedProcess[str]) -> str:
     """Exit code and output tails, for assertion messages."""
     return (

@@ -54,3 +54,22 @@ def test_an_unsupported_accelerate_does_not_stop_the_import(monkeypatch):
     monkeypatch.setattr(_versions.metadata, "version", lambda name: {"accelerate": "1.14.0", "torch": "2.13.0"}.get(name, "5.24.0"))
     assert _versions.check_versions()["accelerate"] == "1.14.0"
     assert not _versions.is_supported("accelerate", "1.14.0") and _versions.is_supported("accelerate", "1.15.2")
+
+
+def test_the_test_extra_pins_the_plugins_tested_ranges():
+    """`pip install -e ".[test]"` must install what the plugin patches, or the suite tests stock
+    Accelerate; the pins in pyproject.toml and the guards in activation.py are written twice."""
+    import pathlib
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from qwen35_accel.integrations.activation import ACCELERATE, TRANSFORMERS, TRL
+
+    pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+    extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["test"]
+    pins = {req.name: str(req.specifier) for req in map(Requirement, extra)}
+    for guard in (ACCELERATE, TRANSFORMERS, TRL):
+        assert SpecifierSet(pins[guard.package]) == SpecifierSet(guard.tested), (guard.package, pins.get(guard.package))

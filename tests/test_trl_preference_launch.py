@@ -23,18 +23,36 @@ from pathlib import Path
 
 import pytest
 import torch
+from _launched import Run, register
 from _parity import assert_same_log_history, log_history
 
 from qwen35_accel.local_world import free_port
-from qwen35_accel.testing.launch import CONFIGS, REPO, accelerate_launch_command, run_to_completion
+from qwen35_accel.testing.launch import CONFIGS, REPO, run_to_completion
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
 DPO, KTO = REPO / "tests" / "scripts" / "trl_dpo.py", REPO / "tests" / "scripts" / "trl_kto.py"
-DPO_VARIANTS = "sigmoid,ipo,sigmoid-precompute"
+DPO_ARGS = ("--variants", "sigmoid,ipo,sigmoid-precompute", "--eval")
 KTO_VARIANTS = "kto,kto-precompute"
-
-
+# cp 2 × tp 2: the shipped dp 2 × cp 2 YAML (world 4) with dp_shard 1 and tp 2, as its
+# parallelism_config keys reach Accelerate (`accelerate launch` turns them into these variables).
+CP2_TP2 = {"PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "PARALLELISM_CONFIG_TP_SIZE": "2"}
+DPO_CASES = {  # id: config, per-device batch (the one process's 4 rows in all), environment, the plugin's note
+    "cp2": ("cpu_fsdp2_cp2.yaml", "4", {}, "cp=2, tp=1"),
+    "dp2xcp2": ("cpu_fsdp2_dp2_cp2.yaml", "2", {}, "cp=2, tp=1"),
+    "dp2xtp2": ("cpu_fsdp2_tp2.yaml", "2", {}, "cp=1, tp=2"),
+    "dp2xtp2-vocab-parallel": ("cpu_fsdp2_tp2.yaml", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}, "cp=1, tp=2"),
+    "cp2xtp2": ("cpu_fsdp2_dp2_cp2.yaml", "4", CP2_TP2, "cp=2, tp=2"),
+}
+register(**{
+    "dpo/single": Run(None, DPO, ("{out}", "4", *DPO_ARGS)),  # the launches' global batch
+    **{f"dpo/{case}": Run(config, DPO, ("{out}", per_device, *DPO_ARGS), env=env)
+       for case, (config, per_device, env, _) in DPO_CASES.items()},
+    "dpo/lora-single": Run(None, DPO, ("{out}", "4", "lora", "--variants", "sigmoid", "--eval")),
+    "dpo/lora-cp2": Run("cpu_fsdp2_cp2.yaml", DPO, ("{out}", "4", "lora", "--variants", "sigmoid", "--eval")),
+    "kto/single": Run(None, KTO, ("{out}", "4", KTO_VARIANTS)),
+    "kto/cp2": Run("cpu_fsdp2_cp2.yaml", KTO, ("{out}", "4", KTO_VARIANTS)),
+})
 
 
 def _trained(out: Path, metric: str) -> None:
@@ -44,63 +62,36 @@ def _trained(out: Path, metric: str) -> None:
     assert max(abs(e[metric]) for e in logged if metric in e) > 0, logged
 
 
-@pytest.fixture(scope="module")
-def dpo_one_process(tmp_path_factory) -> Path:
-    single = tmp_path_factory.mktemp("dpo") / "single"
-    run_to_completion([sys.executable, str(DPO), str(single), "4", "--variants", DPO_VARIANTS, "--eval"])  # the launches' global batch
-    for variant in DPO_VARIANTS.split(","):
-        _trained(single / variant, "rewards/chosen")
-    return single
-
-
-@pytest.mark.parametrize("config,per_device", [("cpu_fsdp2_cp2.yaml", "4"), ("cpu_fsdp2_dp2_cp2.yaml", "2")],
-                         ids=["cp2", "dp2xcp2"])
-def test_dpo_trainer_under_cp_logs_what_one_process_logs(tmp_path, dpo_one_process, config, per_device):
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.launches("dpo/single", f"dpo/{case}"), id=case)
+                                  for case in DPO_CASES])
+def test_dpo_trainer_under_cp_and_tp_logs_what_one_process_logs(launched, case):
     """Sigmoid and IPO (which divides by the completions' lengths) with a reference model, and the
-    reference log-probs precomputed over the dataset: one launch, the variants one after the other."""
-    out = tmp_path / "run"
-    run_to_completion(accelerate_launch_command(config, DPO, str(out), per_device, "--variants", DPO_VARIANTS, "--eval"))
-    for variant in DPO_VARIANTS.split(","):
+    reference log-probs precomputed over the dataset: one run, the variants one after the other.
+    Under tp the tp ranks hold the same rows: TRL's fused head on the tp-split model (and over the
+    vocab slices), the reference precompute's gathers counting each row once."""
+    launch, single = launched(f"dpo/{case}"), launched("dpo/single").out
+    notes = [line for line in launch.stderr.splitlines() if "prepared by qwen35_accel" in line]
+    assert len(notes) == 6 and all(DPO_CASES[case][3] in n for n in notes), notes  # policy and reference, 3 variants
+    for variant in DPO_ARGS[1].split(","):
+        _trained(single / variant, "rewards/chosen")
         # fp32 rtol 1e-5: the reduction order over chunks and ranks; atol 1e-6: the rewards are
         # beta × (log-prob − reference log-prob), differences of terms of ~6 (beta 0.1 × ~60 nats).
-        assert_same_log_history(out / variant, dpo_one_process / variant, rtol=1e-5, atol=1e-6)
+        assert_same_log_history(launch.out / variant, single / variant, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("config,per_device,env", [
-    ("cpu_fsdp2_tp2.yaml", "2", {}),
-    ("cpu_fsdp2_tp2.yaml", "2", {"QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD": "1"}),
-    ("cp2xtp2", "4", {}),
-], ids=["dp2xtp2", "dp2xtp2-vocab-parallel", "cp2xtp2"])
-def test_dpo_trainer_under_tp_logs_what_one_process_logs(tmp_path, dpo_one_process, config, per_device, env):
-    """The same variants under tp (the tp ranks hold the same rows): TRL's fused head on the
-    tp-split model (and over the vocab slices), the reference precompute's gathers counting each
-    row once. cp 2 × tp 2: the shipped dp 2 × cp 2 YAML with dp_shard 1 and tp 2 (world 4)."""
-    if config == "cp2xtp2":
-        text = (CONFIGS / "cpu_fsdp2_dp2_cp2.yaml").read_text()
-        config = tmp_path / "cp2_tp2.yaml"
-        config.write_text(text.replace("parallelism_config_dp_shard_size: 2", "parallelism_config_dp_shard_size: 1")
-                          .replace("parallelism_config_tp_size: 1", "parallelism_config_tp_size: 2"))
-    out = tmp_path / "run"
-    run_to_completion(accelerate_launch_command(config, DPO, str(out), per_device, "--variants", DPO_VARIANTS, "--eval"), env)
-    for variant in DPO_VARIANTS.split(","):
-        assert_same_log_history(out / variant, dpo_one_process / variant, rtol=1e-5, atol=1e-6)  # as under cp
-
-
-def test_dpo_trainer_with_lora_under_cp_logs_what_one_process_logs(tmp_path):
+@pytest.mark.launches("dpo/lora-single", "dpo/lora-cp2")
+def test_dpo_trainer_with_lora_under_cp_logs_what_one_process_logs(launched):
     """No reference model: TRL takes the reference log-probs from the policy with its adapters off."""
-    single, cp2 = tmp_path / "single", tmp_path / "cp2"
-    run_to_completion([sys.executable, str(DPO), str(single), "4", "lora", "--variants", "sigmoid", "--eval"])
-    run_to_completion(accelerate_launch_command("cpu_fsdp2_cp2.yaml", DPO, str(cp2), "4", "lora", "--variants", "sigmoid", "--eval"))
+    single, cp2 = launched("dpo/lora-single").out, launched("dpo/lora-cp2").out
     _trained(single / "sigmoid", "rewards/chosen")
     assert_same_log_history(cp2 / "sigmoid", single / "sigmoid", rtol=1e-5, atol=1e-6)  # as above
 
 
-def test_kto_trainer_under_cp_logs_what_one_process_logs(tmp_path):
+@pytest.mark.launches("kto/single", "kto/cp2")
+def test_kto_trainer_under_cp_logs_what_one_process_logs(launched):
     """Rows of their own lengths (the plugin pads them to a multiple of 2·cp), the KL term from
     mismatched completions, with a reference model and with precomputed reference log-probs."""
-    single, cp2 = tmp_path / "single", tmp_path / "cp2"
-    run_to_completion([sys.executable, str(KTO), str(single), "4", KTO_VARIANTS])
-    run_to_completion(accelerate_launch_command("cpu_fsdp2_cp2.yaml", KTO, str(cp2), "4", KTO_VARIANTS))
+    single, cp2 = launched("kto/single").out, launched("kto/cp2").out
     for variant in KTO_VARIANTS.split(","):
         _trained(single / variant, "rewards/chosen")
         # As DPO's; `kl` apart: a mean of (policy − reference) log-probs of ~40 nats each, ~0.2

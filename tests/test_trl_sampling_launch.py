@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _launched import Run, register
 from _parity import assert_same_log_history, log_history
 
 from qwen35_accel.testing.launch import REPO, accelerate_launch_command, assert_refused_on_every_rank, run_launch, run_to_completion
@@ -30,11 +31,17 @@ PREPARED = "Qwen3_5ForCausalLM prepared by qwen35_accel"
 PER_DEVICE = "4"  # one prompt's 4 generations per data-parallel replica and step
 CP_VARIANTS = "dapo_eval,grpo,dr_grpo,rloo"
 DP_VARIANTS = "dapo_eval,grpo,dr_grpo"
+TP_VARIANTS = "dapo_eval,grpo"
+register(**{
+    "grpo/single": Run(None, SCRIPT, ("{out}", PER_DEVICE, "--variants", CP_VARIANTS)),
+    "grpo/cp2": Run("cpu_fsdp2_cp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", CP_VARIANTS)),
+    "grpo/dp2": Run("cpu_fsdp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", DP_VARIANTS)),
+    "grpo/dp2xcp2": Run("cpu_fsdp2_dp2_cp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", DP_VARIANTS)),
+    "grpo/dp2xtp2": Run("cpu_fsdp2_tp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", TP_VARIANTS)),
+})
 
 
-
-
-def _assert_samerun_to_completion(got: Path, want: Path, variants: str, replicas: int, ranks: int) -> None:
+def _assert_same_completions_and_log(got: Path, want: Path, variants: str, replicas: int, ranks: int) -> None:
     """`got`'s ranks (a cp×tp group per replica, rank-major) trained on `want`'s completions (one
     process per replica) and logged `want`'s values."""
     share = ranks // replicas
@@ -48,25 +55,12 @@ def _assert_samerun_to_completion(got: Path, want: Path, variants: str, replicas
         assert_same_log_history(got / variant, want / variant, rtol=1e-5, atol=1e-6, skip=("step_time",))
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("grpo") / "single"
-    run_to_completion([sys.executable, str(SCRIPT), str(out), PER_DEVICE, "--variants", CP_VARIANTS])
-    return out
-
-
-@pytest.fixture(scope="module")
-def dp2(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("grpo") / "dp2"
-    run_to_completion(accelerate_launch_command("cpu_fsdp2.yaml", SCRIPT, str(out), PER_DEVICE, "--variants", DP_VARIANTS))
-    return out
-
-
-def test_grpo_and_rloo_under_cp2_equal_one_process_completion_for_completion(tmp_path, one_process):
-    out = tmp_path / "cp2"
-    stderr = run_to_completion(accelerate_launch_command("cpu_fsdp2_cp2.yaml", SCRIPT, str(out), PER_DEVICE, "--variants", CP_VARIANTS))
-    assert stderr.count(PREPARED) == 7, "policy and reference models: qwen35_accel's units (grpo has no reference)"
-    _assert_samerun_to_completion(out, one_process, CP_VARIANTS, replicas=1, ranks=2)
+@pytest.mark.launches("grpo/single", "grpo/cp2")
+def test_grpo_and_rloo_under_cp2_equal_one_process_completion_for_completion(launched):
+    launch, one_process = launched("grpo/cp2"), launched("grpo/single").out
+    out = launch.out
+    assert launch.stderr.count(PREPARED) == 7, "policy and reference models: qwen35_accel's units (grpo has no reference)"
+    _assert_same_completions_and_log(out, one_process, CP_VARIANTS, replicas=1, ranks=2)
     logged = [e for e in log_history(out / "dapo_eval") if "kl" in e]
     assert any("eval_loss" in e for e in log_history(out / "dapo_eval")), "no evaluation ran"
     assert logged[0]["kl"] == 0.0 and logged[1]["kl"] > 0, "the reference model is the policy before its first update"
@@ -75,12 +69,12 @@ def test_grpo_and_rloo_under_cp2_equal_one_process_completion_for_completion(tmp
     assert dapo["completions/min_length"] < dapo["completions/max_length"]
 
 
-@pytest.mark.parametrize("config", ["cpu_fsdp2_dp2_cp2.yaml", "cpu_fsdp2_tp2.yaml"], ids=["dp2xcp2", "dp2xtp2"])
-def test_grpo_under_dp2_times_cp2_or_tp2_equals_dp2(tmp_path, config, dp2):
-    variants = DP_VARIANTS if "cp2" in config else "dapo_eval,grpo"
-    out = tmp_path / "run"
-    run_to_completion(accelerate_launch_command(config, SCRIPT, str(out), PER_DEVICE, "--variants", variants))
-    _assert_samerun_to_completion(out, dp2, variants, replicas=2, ranks=4)
+@pytest.mark.parametrize("case,variants", [
+    pytest.param(case, variants, marks=pytest.mark.launches("grpo/dp2", f"grpo/{case}"), id=case)
+    for case, variants in (("dp2xcp2", DP_VARIANTS), ("dp2xtp2", TP_VARIANTS))
+])
+def test_grpo_under_dp2_times_cp2_or_tp2_equals_dp2(launched, case, variants):
+    _assert_same_completions_and_log(launched(f"grpo/{case}").out, launched("grpo/dp2").out, variants, replicas=2, ranks=4)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -46,14 +46,19 @@ VARIANTS = {  # trainer, then the config's settings
 
 def save_initial_model(out: str) -> Path:
     """The same initial weights on every rank, each saved to its own folder (no rank waits for
-    another's), before any trainer starts the process group (then only rank 0 would write)."""
+    another's) before any trainer starts the process group; with the group already up (an earlier
+    run in this process: tests/scripts/several_runs.py) `save_pretrained` writes on rank 0 alone,
+    so every rank reads rank 0's folder after a barrier."""
     tokenizer = AutoTokenizer.from_pretrained(RECIPES / "configs" / "tokenizer")
-    model_dir = Path(out) / f"initial-rank{os.environ.get('RANK', '0')}"
+    grouped = torch.distributed.is_initialized()
+    model_dir = Path(out) / f"initial-rank{0 if grouped else os.environ.get('RANK', '0')}"
     set_seed(0)
     config = AutoConfig.from_pretrained(RECIPES / "configs" / "tiny_qwen35.json")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(60, 99)]  # ~15 % per token
     model.save_pretrained(model_dir)
+    if grouped:
+        torch.distributed.barrier()
     return model_dir
 
 

@@ -74,6 +74,55 @@ def test_fp32_forward_and_backward_are_bitwise_those_of_transformers():
         assert torch.equal(p.grad, ref[name.replace(f".{HOLDER_NAME}.", ".")].grad), name
 
 
+def test_cached_generation_is_that_of_transformers_and_counts_its_tokens():
+    """Greedy decoding with Transformers' cache (prefill, then one token at a time through the
+    conv state's single-token update): the same ids, and the cache counts the same tokens (from
+    Transformers 5.25 the linear-attention layers count their own, which positions read)."""
+    reference, model = build_tiny_causal_lm(seed=3), build_tiny_causal_lm(seed=3)
+    install_fp32_gate(model)
+    prompt = random_batch(2, 7, reference.config.vocab_size, seed=2)["input_ids"]
+    settings = {"max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True, "pad_token_id": 0}
+    with torch.no_grad():
+        want, got = reference.generate(prompt, **settings), model.generate(prompt, **settings)
+    assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
+    counts = [(out.past_key_values.get_seq_length(i) if i is not None else out.past_key_values.get_seq_length())
+              for out in (got, want) for i in (None, 0)]
+    assert counts[:2] == counts[2:] and counts[2] == 7 + 6 - 1, counts  # the last token is not fed back
+    # A decoding loop of one's own: positions from the cache's count.
+    step = got.sequences[:, -1:]
+    with torch.no_grad():
+        mine, theirs = (m(input_ids=step, past_key_values=out.past_key_values).logits
+                        for m, out in ((model, got), (reference, want)))
+    assert torch.equal(mine, theirs)
+
+
+def test_assisted_decoding_is_that_of_transformers_or_refused_as_transformers_refuses_it():
+    """Prompt-lookup decoding, greedy: from Transformers 5.25 the linear-attention cache keeps the
+    states after each candidate token to crop the rejected ones (the layer then runs those tokens
+    one by one); the same ids as Transformers'. Transformers 5.24
+    refuses it for Qwen3.5 (a stateful model): the same refusal."""
+    reference, model = build_tiny_causal_lm(seed=3), build_tiny_causal_lm(seed=3)
+    install_fp32_gate(model)
+    kept = []
+    layer = model.model.layers[0].linear_attn
+    rule = layer._rule_keeping_states
+    layer._rule_keeping_states = lambda *args: kept.append(args[6]) or rule(*args)  # (…, keep, documents, kwargs)
+    prompt = random_batch(1, 7, reference.config.vocab_size, seed=2)["input_ids"].repeat(1, 2)  # lookups that hit
+    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    outcomes = []
+    for m in (reference, model):
+        try:
+            with torch.no_grad():
+                outcomes.append(m.generate(prompt, prompt_lookup_num_tokens=3, **settings))
+        except ValueError as refused:
+            outcomes.append(str(refused))
+    if isinstance(outcomes[0], str):
+        assert outcomes[1] == outcomes[0] and "assisted generation is not supported" in outcomes[0], outcomes
+        return
+    assert torch.equal(outcomes[1], outcomes[0]), outcomes
+    assert kept and max(kept) > 1, kept  # candidates ran through the state-keeping rule
+
+
 def test_state_dict_has_transformers_keys_and_fp32_gate_in_bf16_model():
     reference = build_tiny_causal_lm(dtype=torch.bfloat16)
     model = build_tiny_causal_lm(dtype=torch.bfloat16)

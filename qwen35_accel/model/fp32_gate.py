@@ -23,12 +23,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import Cache
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from ..ops import kernels
 from ..ops.documents import per_document
 from .checkpoint_gates import restore_checkpoint_gates
 from .packing import install_packing_hook
+
+# Transformers >= 5.25 splits off the tokens whose states a cache recording its past keeps (assisted
+# decoding), none by default, and runs the chunked rule on the rest: the same ops here, so the
+# layer stays bitwise Transformers' (the split changes the gradients' layout, hence their rounding).
+KEEPS_STATES = hasattr(Cache, "get_recurrent_states_to_keep")
 
 HOLDER_NAME = "_fp32_params"
 RESTORED_GATES_ATTR = "_qwen35_restored_gates"  # how many gate tensors took the checkpoint's values back
@@ -237,6 +243,8 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
             return out.view(batch, seq_len, channels).transpose(1, 2)
         conv_state = cache.get_conv_state(self.layer_idx, state_idx=0) if cache is not None else None
         if conv_state is not None and seq_len == 1 and not cache.is_recording_past(self.layer_idx):
+            if hasattr(cache, "increase_count"):  # Transformers >= 5.25: linear layers count their tokens
+                cache.increase_count(self.layer_idx, 0)
             update = _kernel("causal_conv1d_update", "causal_conv1d", mixed_qkv)
             return update(mixed_qkv, conv_state, weight, self.conv1d.bias, self.activation)
         if cache is not None:
@@ -278,7 +286,14 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
             return per_document(rule_alone, flat, documents).view(batch, seq_len, *value.shape[2:])
         recurrent_state = cache.get_recurrent_state(self.layer_idx, state_idx=0) if cache is not None else None
         seq_len = query.shape[1]
-        name = "torch_recurrent_gated_delta_rule" if recurrent_state is not None and seq_len == 1 else "torch_chunk_gated_delta_rule"
+        single = recurrent_state is not None and seq_len == 1
+        if KEEPS_STATES and not single:
+            keep = min(cache.get_recurrent_states_to_keep(self.layer_idx), seq_len) if cache is not None else 0
+            out, state = self._rule_keeping_states(query, key, value, g, beta, recurrent_state, keep, documents, kwargs)
+            if cache is not None:
+                cache.update_recurrent_state(state, self.layer_idx)
+            return out
+        name = "torch_recurrent_gated_delta_rule" if single else "torch_chunk_gated_delta_rule"
         rule = _kernel(name, "fla", query)
         core_attn_out, last_recurrent_state = rule(
             query,
@@ -295,6 +310,37 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         if cache is not None:
             cache.update_recurrent_state(last_recurrent_state, self.layer_idx)
         return core_attn_out
+
+    def _rule_keeping_states(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        initial_state: torch.Tensor | None,
+        keep: int,
+        documents: torch.Tensor | None,
+        kwargs: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]:
+        """Transformers >= 5.25's rule: the chunked rule over all but the last `keep` tokens, then
+        the recurrent rule token by token. The output [batch, seq, v_heads, v_dim] and the final
+        state, or with `keep` the state after each of the last `keep` tokens (a cache recording its
+        past crops rejected candidate tokens with them)."""
+        split = query.shape[1] - keep
+        heads, tails = zip(*(torch.tensor_split(t, [split], dim=1) for t in (query, key, value, g, beta)))
+        chunk = _kernel("torch_chunk_gated_delta_rule", "fla", query)
+        out, state = chunk(*heads[:3], g=heads[3], beta=heads[4], initial_state=initial_state, output_final_state=True,
+                           use_qk_l2norm_in_kernel=True, cu_seqlens=documents, **kwargs)
+        outputs, states = [out], []
+        step = _kernel("torch_recurrent_gated_delta_rule", "fla", query)
+        for i in range(keep):
+            q, k, v, g_i, b = (t[:, i : i + 1] for t in tails)
+            out, state = step(q, k, v, g=g_i, beta=b, initial_state=state, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True, **kwargs)
+            outputs.append(out)
+            states.append(state)
+        return torch.cat(outputs, dim=1), states or state
 
     def gate(self, a: torch.Tensor) -> torch.Tensor:
         """g [batch, seq, num_v_heads] fp32 from `a` = in_proj_a(hidden_states).

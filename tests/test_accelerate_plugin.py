@@ -7,6 +7,7 @@ the single-process Transformers model.
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -344,14 +345,20 @@ def _bf16_accelerate_worker(rank: int, world: int) -> None:
         if layer.block_type == "linear_attention":  # whose gate parameters were kept fp32
             layer.linear_attn.A_log.data = layer.linear_attn.A_log.data.float()
             layer.linear_attn.dt_bias.data = layer.linear_attn.dt_bias.data.float()
+    reference = copy.deepcopy(model)  # a frozen reference of the same checkpoint, as TRL's trainers hold one
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    rows = {r["unit"]: r for r in describe_units(model)}
-    # As stock Accelerate: fp32 master weights, bf16 compute; the gate holder computes in fp32.
-    assert (rows["model.layers.0"]["storage"], rows["model.layers.0"]["compute"]) == ("float32", "bfloat16")
-    holder = rows["model.layers.0.linear_attn._fp32_params"]
-    assert (holder["storage"], holder["compute"]) == ("float32", "float32")
-    loss = model(**random_batch(2, 16, model.config.vocab_size, seed=rank)).loss
+    model, optimizer, reference = accelerator.prepare(model, optimizer, reference)
+    for prepared, storage in ((model, "float32"), (reference, "bfloat16")):
+        rows = {r["unit"]: r for r in describe_units(prepared)}
+        # The policy as stock Accelerate: fp32 master weights, bf16 compute; the reference (no optimizer)
+        # kept bf16, as TRL's prepare_fsdp keeps it. The gate holders compute in fp32.
+        assert (rows["model.layers.0"]["storage"], rows["model.layers.0"]["compute"]) == (storage, "bfloat16")
+        holder = rows["model.layers.0.linear_attn._fp32_params"]
+        assert (holder["storage"], holder["compute"]) == ("float32", "float32")
+    batch = random_batch(2, 16, model.config.vocab_size, seed=rank)
+    loss = model(**batch).loss
+    with torch.no_grad():  # the same bf16 values computed from bf16 or from fp32 storage
+        assert torch.equal(reference(**batch).loss, loss.detach())
     accelerator.backward(loss)
     optimizer.step()
     assert torch.isfinite(loss)

@@ -334,20 +334,20 @@ def test_plan_json_says_whether_it_fits_and_suggests_a_cp():
 
 @pytest.mark.parametrize("parallel", [Parallel(dp_shard=8), Parallel(dp_shard=2, cp=2, tp=2),
                                       Parallel(dp_shard=4, tp=2, vocab_parallel_lm_head=True)], ids=["dp8", "dp2xcp2xtp2", "dp4xtp2-vocab"])
-@pytest.mark.parametrize("compute_bytes,param_bytes", [(2, 4), (4, 4)], ids=["bf16-policy", "fp32"])
-def test_a_reference_model_adds_its_parameter_shards_and_nothing_else(parallel, compute_bytes, param_bytes):
-    """A frozen copy of the policy (TRL's ref_model) is held as the policy's parameters are (the
-    same FSDP2 units and tp split, the policy's parameter dtype: TRL leaves its requires_grad on,
-    so Accelerate's upcast keeps it in fp32 under a bf16 policy); no gradients, optimizer state,
-    activations or transient of its own."""
+@pytest.mark.parametrize("compute_bytes,param_bytes,reference_bytes", [(2, 4, 2), (2, 4, 4), (4, 4, 4)],
+                         ids=["bf16-policy-bf16-checkpoint", "bf16-policy-fp32-checkpoint", "fp32"])
+def test_a_reference_model_adds_its_parameter_shards_and_nothing_else(parallel, compute_bytes, param_bytes, reference_bytes):
+    """A frozen copy of the policy (TRL's ref_model) is sharded as the policy's parameters are
+    (the same FSDP2 units and tp split) in its checkpoint's dtype (no fp32 masters: the plugin
+    keeps a frozen model's dtype); no gradients, optimizer state, activations or transient of its own."""
     shape = _27b_like()
     options = StepOptions(seq_len=32768, compute_bytes=compute_bytes, param_bytes=param_bytes)
     alone = estimate(shape, parallel, options)
     both = estimate(shape, parallel, StepOptions(seq_len=32768, compute_bytes=compute_bytes, param_bytes=param_bytes,
-                                                 reference_model=True))
-    assert alone.reference_parameters == 0 and both.reference_parameters == alone.parameters > 0
-    assert both.as_dict() == {**alone.as_dict(), "reference_parameters": alone.parameters,
-                              "total": alone.total + alone.parameters}
+                                                 reference_model=True, reference_bytes=reference_bytes))
+    held = alone.parameters * reference_bytes // param_bytes
+    assert alone.reference_parameters == 0 and both.reference_parameters == held > 0
+    assert both.as_dict() == {**alone.as_dict(), "reference_parameters": held, "total": alone.total + held}
 
 
 def test_plan_counts_the_reference_model_with_ref_model():
@@ -367,6 +367,27 @@ def test_plan_counts_the_reference_model_with_ref_model():
     assert text.returncode == 0, text.stderr[-3000:]
     assert "reference model (frozen copy, e.g. TRL's ref_model): the same units" in text.stdout, text.stdout
     assert "reference model (--ref-model): a frozen copy in the policy's FSDP2 units" in text.stdout, text.stdout
+
+
+def test_a_bf16_checkpoints_reference_holds_bf16_under_a_bf16_policy(tmp_path):
+    """The policy's units hold fp32 masters under `mixed_precision: bf16`; a frozen reference of
+    a bf16 checkpoint keeps bf16 (tests/test_accelerate_plugin.py prepares one so): half the
+    policy's bytes but for the fp32 gate holders, in the units and in the memory."""
+    from qwen35_accel.model.tiny import tiny_text_config
+
+    config = tiny_text_config()
+    config.dtype = "bfloat16"
+    config.save_pretrained(tmp_path)
+    yaml = str(Path(__file__).resolve().parents[1] / "accelerate_configs" / "fsdp2.yaml")
+    run = run_cli("plan", "--model", str(tmp_path), "--config", yaml, "--seq-len", "1024", "--json", "--ref-model")
+    assert run.returncode == 0, run.stderr[-3000:]
+    planned = json.loads(run.stdout)
+    units = [u for layer in planned["layers"] for u in layer["units"]] + planned["other_units"]
+    holders = sum(u["bytes_per_rank_max"] for u in units if all(m.endswith("._fp32_params") for m in u["modules"]))
+    assert 0 < holders < planned["bytes_per_rank_max"]
+    assert planned["reference_model"]["bytes_per_rank_max"] == (planned["bytes_per_rank_max"] - holders) // 2 + holders
+    memory = planned["memory_per_rank"]
+    assert memory["reference_parameters"] == memory["parameters"] // 2 > 0
 
 
 @pytest.mark.parametrize("args, message", [

@@ -127,11 +127,13 @@ def _fsdp_mesh(accelerator: Any) -> Any:
     return init_device_mesh(device_type, (torch.distributed.get_world_size(),), mesh_dim_names=("dp_shard_cp",))
 
 
-def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
+def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = False) -> nn.Module:
     """Accelerate's `fsdp2_prepare_model`, for a dense Qwen3.5 model: our parallelizer.
 
     Follows Accelerate where it decides things for every model: trainable parameters are
-    upcast to fp32 when `mixed_precision != "no"` (the gate holders are fp32 anyway);
+    upcast to fp32 when `mixed_precision != "no"` (the gate holders are fp32 anyway), unless
+    `frozen` (a reference model no optimizer holds: kept in its storage dtype, as TRL's own
+    `prepare_fsdp` keeps it; it computes in the policy's dtype either way);
     with `cpu_ram_efficient_loading`, rank 0's weights are broadcast into the sharded
     model after sharding on the meta device.
     """
@@ -146,7 +148,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module) -> nn.Module:
     settings = PluginSettings.from_env(strict=True)
     check_same_on_every_rank(settings)  # before any collective that a setting chooses
     plugin = accelerator.state.fsdp_plugin
-    if accelerator.mixed_precision != "no":
+    if accelerator.mixed_precision != "no" and not frozen:
         for param in model.parameters():
             if param.requires_grad and param.dtype != torch.float32:
                 param.data = param.data.to(torch.float32)

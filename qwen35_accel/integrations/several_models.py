@@ -26,13 +26,14 @@ from .trl_trainers import trl_under_cp_error
 def prepare_extra_model(accelerator: Any, model: nn.Module, *, register: bool) -> nn.Module:
     """A dense Qwen3.5 model that no optimizer holds (a frozen reference), prepared as
     `Accelerator.prepare` prepares the policy: fp32 gate holders, then our FSDP2 units (and
-    CP/TP layers) on the accelerator's mesh. `register`: added to the accelerator's prepared
+    CP/TP layers) on the accelerator's mesh, its storage dtype kept under mixed precision (no
+    fp32 master weights: nothing updates them). `register`: added to the accelerator's prepared
     models, as `Accelerator.prepare` does (TRL's `prepare_fsdp` does not)."""
     from ..model.fp32_gate import install_fp32_gate
     from .preparation import prepare_qwen35_fsdp2
 
     install_fp32_gate(model)
-    model = prepare_qwen35_fsdp2(accelerator, model)
+    model = prepare_qwen35_fsdp2(accelerator, model, frozen=True)
     mesh = getattr(accelerator, "torch_device_mesh", None)
     if mesh is not None and mesh_dim_size(mesh, "cp") > 1:  # as `prepare_cp` does for the policy
         accelerator._qwen35_cp_mesh = mesh["cp"]

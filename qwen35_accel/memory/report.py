@@ -106,7 +106,7 @@ def describe(report: dict[str, Any], gpus: int) -> list[str]:
         f"  total {_gib(m['total'])}",
     ]
     if o.get("reference_model"):
-        lines.insert(2, f"  reference model (--ref-model): a frozen copy in the policy's FSDP2 units and parameter dtype, "
+        lines.insert(2, f"  reference model (--ref-model): a frozen copy in the policy's FSDP2 units, in the checkpoint's dtype, "
                         f"{_gib(m['reference_parameters'])}; no gradients, optimizer state or saved activations (no_grad forwards)")
     if "fits" in report:
         margin, budget = report["margin_bytes"], _gib(report["gpu_memory_bytes"])

@@ -126,7 +126,8 @@ class StepOptions:
     `tiled_loss`: "hold", "recompute" or "off" (Transformers' loss), as the setting of that
     name (True is "hold", False "off"); `reference_model`: the run also holds a frozen copy of
     the model (TRL's `ref_model` of DPO/KTO, of GRPO/RLOO with `beta` > 0), prepared as the
-    policy is (see `estimate`)."""
+    policy is (see `estimate`); `reference_bytes`: its storage dtype's size, the checkpoint's as
+    loaded (the plugin keeps a frozen model's dtype: 2 for a bf16 checkpoint under any policy)."""
 
     seq_len: int
     batch_size: int = 1
@@ -141,6 +142,7 @@ class StepOptions:
     device: Device = "cuda"
     fla: bool = True
     reference_model: bool = False
+    reference_bytes: int = 4
 
     def __post_init__(self) -> None:
         from ..parallel.tiled_head import LOSS_MODES

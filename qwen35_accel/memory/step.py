@@ -39,9 +39,8 @@ def estimate(shape: ModelShape, parallel: Parallel, options: StepOptions) -> Mem
     """The memory per rank of one training step (see the module docstring).
 
     With `options.reference_model`, a frozen copy of the model: its parameters sharded as the
-    policy's (our FSDP2 units over dp_shard × cp, tp-split; the plugin prepares it so), in the
-    policy's parameter dtype (TRL leaves the reference's `requires_grad` on, so Accelerate's
-    upcast holds it in fp32 under a bf16/fp16 policy as it does the policy); no gradients,
+    policy's (our FSDP2 units over dp_shard × cp, tp-split; the plugin prepares it so), in its
+    storage dtype as loaded (`reference_bytes`: no fp32 masters, nothing updates it); no gradients,
     optimizer state or saved activations (its forwards run under `torch.no_grad()`). Its
     forward's peak (its units gathered at the forward prefetch depth) is below the policy's
     backward peak (the backward depth and an unsharded gradient), with the policy's units
@@ -79,7 +78,7 @@ def estimate(shape: ModelShape, parallel: Parallel, options: StepOptions) -> Mem
         activations=activations(shape, parallel, options),
         loss=loss,
         transient=gathered + max([at_loss] + [peak - loss for peak in others]),
-        reference_parameters=params * p if options.reference_model else 0,
+        reference_parameters=params * options.reference_bytes if options.reference_model else 0,
     )
 
 

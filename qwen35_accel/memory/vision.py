@@ -196,5 +196,5 @@ def vision_estimate(vision: VisionTower, parallel: Parallel, options: StepOption
         activations=vision_activations(shape, patches, c, options.device, cast_block_inputs=cast, checkpointed=checkpointed),
         loss=0,
         transient=gathered + recomputed,
-        reference_parameters=held * p if options.reference_model else 0,  # a reference copy's tower, held alike
+        reference_parameters=held * options.reference_bytes if options.reference_model else 0,  # a reference's tower, sharded alike
     )

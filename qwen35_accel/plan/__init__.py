@@ -58,13 +58,13 @@ def plan(
     `image_tokens`: image and video tokens per rank's micro-batch, whole sequences (0: a
     text-only step). `reference_model`: the run also holds a frozen copy of the model (TRL's
     `ref_model`: DPO, KTO, GRPO/RLOO with `beta` > 0), prepared as the policy is: its units
-    and bytes are the policy's, counted once more (`reference_model` in the result, and
-    `memory_per_rank["reference_parameters"]`), without gradients, optimizer state or
-    activations."""
+    are the policy's, in the checkpoint's dtype (no fp32 masters), counted once more
+    (`reference_model` in the result, and `memory_per_rank["reference_parameters"]`), without
+    gradients, optimizer state or activations."""
     from ..integrations.settings import PluginSettings
     from ..parallel.fsdp import describe_prefetch, fsdp_units
     from .comm import cp_comm
-    from .layout import by_layer, meta_model, parallelize, unit_rows, vision_report
+    from .layout import by_layer, meta_model, parallelize, reference_unit_bytes, unit_rows, vision_report
     from .step import step_memory
 
     started = time.perf_counter()
@@ -102,7 +102,7 @@ def plan(
     replicated = tower["replicated_bytes_per_rank"] if tower else 0
     reference = None
     if reference_model:
-        reference = {"units": "the policy's", "bytes_per_rank_max": sum(u["bytes_per_rank_max"] for u in rows) + replicated,
+        reference = {"units": "the policy's", "bytes_per_rank_max": reference_unit_bytes(rows, precision.storage) + replicated,
                      "memory_bytes_per_rank": memory["memory_per_rank"]["reference_parameters"],
                      "gradients": 0, "optimizer_states": 0, "activations": 0}
     return {

@@ -121,6 +121,21 @@ def unit_rows(net: Any, units: list[tuple[list[str], Any]], shards: int, tp: int
     return rows
 
 
+def reference_unit_bytes(rows: list[dict[str, Any]], storage: int) -> int:
+    """Bytes per rank (max) of a frozen reference laid out as the policy's `unit_rows`: each
+    unit in the checkpoint's dtype (`storage` bytes per element; the plugin keeps a frozen
+    model's dtype), the fp32 gate holders fp32 in both."""
+    from ..model.fp32_gate import HOLDER_NAME
+    from .config import DTYPE_BYTES
+
+    def held(u: dict[str, Any]) -> int:
+        if all(HOLDER_NAME in m.split(".") for m in u["modules"]):
+            return u["bytes_per_rank_max"]
+        return u["bytes_per_rank_max"] * storage // DTYPE_BYTES.get(u["storage"], 4)
+
+    return sum(held(u) for u in rows)
+
+
 def in_vision(module: str) -> bool:
     return "visual" in module.split(".")
 

@@ -39,6 +39,7 @@ def step_memory(
             device=run.device,  # type: ignore[arg-type]
             fla=run.kernels == "fla",
             reference_model=reference_model,
+            reference_bytes=precision.storage,
         )
     except ValueError as exc:
         raise PlanError(str(exc)) from None

@@ -82,7 +82,8 @@ def print_plan(p: dict[str, Any]) -> None:
         f"{_human(p['sharded_bytes_all_ranks'])} (model: {_human(p['model_bytes'])})"
     )
     if p.get("reference_model"):
-        print(f"reference model (frozen copy, e.g. TRL's ref_model): the same units, {_human(p['reference_model']['bytes_per_rank_max'])} "
+        print(f"reference model (frozen copy, e.g. TRL's ref_model): the same units in the checkpoint's dtype, "
+              f"{_human(p['reference_model']['bytes_per_rank_max'])} "
               "per rank (max) more; no gradients, optimizer state or saved activations")
     forward, backward = p["prefetch"].get("forward", {}), p["prefetch"].get("backward", {})
     if forward or backward:

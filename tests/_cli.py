@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 def run_cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Exit code (`main`'s return, or argparse's SystemExit code), stdout and stderr of one call.
-    The process is left as it was: the environment, and no process group (plan's fake one)."""
+    The process is left as it was: the environment, and no process group (a call leaving one fails)."""
     import torch.distributed as dist
 
     from qwen35_accel.cli import main
@@ -31,6 +31,8 @@ def run_cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.Comp
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        if dist.is_initialized() and not had_group:  # plan's fake group must not reach later tests of this process
+        leaked = dist.is_initialized() and not had_group
+        if leaked:  # a group must not reach later tests of this process (plan removes its own)
             dist.destroy_process_group()
+    assert not leaked, f"qwen35-accel {' '.join(args)} left a process group behind"
     return subprocess.CompletedProcess(["qwen35-accel", *args], code or 0, out.getvalue(), err.getvalue())

@@ -91,7 +91,7 @@ def test_cached_generation_is_that_of_transformers_and_counts_its_tokens():
     # A decoding loop of one's own: positions from the cache's count.
     step = got.sequences[:, -1:]
     with torch.no_grad():
-        mine, theirs = (m(input_ids=step, past_key_values=out.past_key_values).logits
+        mine, theirs = (m(input_ids=step, cache=out.past_key_values).logits
                         for m, out in ((model, got), (reference, want)))
     assert torch.equal(mine, theirs)
 

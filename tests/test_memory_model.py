@@ -369,6 +369,27 @@ def test_plan_counts_the_reference_model_with_ref_model():
     assert "reference model (--ref-model): a frozen copy in the policy's FSDP2 units" in text.stdout, text.stdout
 
 
+def test_plans_of_other_world_sizes_in_one_process_leave_no_group_and_a_job_of_another_size_is_refused():
+    """`plan()` lays the model out over a fake process group of the YAML's world size and removes
+    it: plans of 2 and 4 processes one after the other in one process (a notebook comparing
+    layouts), and none left behind. Inside a job of another size: refused, naming both sizes."""
+    import torch.distributed as dist
+
+    from qwen35_accel.plan import PlanError, plan
+
+    configs = Path(__file__).resolve().parents[1] / "accelerate_configs"
+    two, four = (plan("tiny", str(configs / name), seq_len=64) for name in ("cpu_fsdp2.yaml", "cpu_fsdp2_dp2_cp2.yaml"))
+    assert (two["mesh"]["world"], four["mesh"]["world"]) == (2, 4) and not dist.is_initialized()
+    assert two["fsdp_shards"] == 2 and four["fsdp_shards"] == 4
+    dist.init_process_group("fake", rank=1, world_size=3)
+    try:
+        with pytest.raises(PlanError, match=r"the YAML describes 2 processes, but this process is rank 1 of a process group of 3"):
+            plan("tiny", str(configs / "cpu_fsdp2.yaml"), seq_len=64)
+        assert dist.is_initialized()  # not ours to remove
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_bf16_checkpoints_reference_holds_bf16_under_a_bf16_policy(tmp_path):
     """The policy's units hold fp32 masters under `mixed_precision: bf16`; a frozen reference of
     a bf16 checkpoint keeps bf16 (tests/test_accelerate_plugin.py prepares one so): half the

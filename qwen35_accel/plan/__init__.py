@@ -2,7 +2,8 @@
 
 `plan` builds the model on the meta device and runs the real parallelizer in one
 process over a fake process group of the config's world size (torch's "fake" backend:
-collectives are no-ops, shapes and placements are real), then reports the run it plans
+collectives are no-ops, shapes and placements are real; removed afterwards, so plans of
+several world sizes can follow one another in one process), then reports the run it plans
 (a CPU YAML: CPU processes over gloo with torch's kernels; a GPU YAML: CUDA over nccl with
 FLA and causal-conv1d, on any machine), the mesh, every FSDP2 unit per decoder layer
 (modules, storage/compute dtype, parameters, bytes per rank), a VLM's vision tower (its
@@ -64,7 +65,7 @@ def plan(
     from ..integrations.settings import PluginSettings
     from ..parallel.fsdp import describe_prefetch, fsdp_units
     from .comm import cp_comm
-    from .layout import by_layer, meta_model, parallelize, reference_unit_bytes, unit_rows, vision_report
+    from .layout import by_layer, fake_world, meta_model, parallelize, reference_unit_bytes, unit_rows, vision_report
     from .step import step_memory
 
     started = time.perf_counter()
@@ -83,48 +84,49 @@ def plan(
     total_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     total_params = sum(p.numel() for p in net.parameters())
     settings = PluginSettings.from_env()
-    error = parallelize(net, sizes, policy, checkpointing, fsdp.get("fsdp_reshard_after_forward", True), settings)
+    with fake_world(sizes["world"]):  # the layout's process group, gone when the plan is
+        error = parallelize(net, sizes, policy, checkpointing, fsdp.get("fsdp_reshard_after_forward", True), settings)
 
-    shards = sizes["dp_shard"] * sizes["cp"]
-    units = fsdp_units(net) if error is None else []
-    rows = unit_rows(net, units, shards, sizes["tp"]) if units else []
-    layers, vision_rows, other = by_layer(rows, parts.layer_types)
-    tower = None
-    if error is None and parts.vision_model is not None and vision_tower != "none":
-        tower = vision_report(parts.vision_model, units, vision_rows, shards, settings.frozen_multimodal_sharding)
-    memory, tower_step = step_memory(
-        net_config, sizes, precision, run, settings, seq_len=seq_len, batch_size=batch_size, optimizer=optimizer,
-        activation_checkpointing=checkpointing, vision_tower=vision_tower, image_tokens=image_tokens,
-        gpu_memory=gpu_memory, suggest=suggest, reference_model=reference_model,
-    )
-    if tower is not None and tower_step is not None:
-        tower.update(tower_step)
-    replicated = tower["replicated_bytes_per_rank"] if tower else 0
-    reference = None
-    if reference_model:
-        reference = {"units": "the policy's", "bytes_per_rank_max": reference_unit_bytes(rows, precision.storage) + replicated,
-                     "memory_bytes_per_rank": memory["memory_per_rank"]["reference_parameters"],
-                     "gradients": 0, "optimizer_states": 0, "activations": 0}
-    return {
-        "model": model if model in ("tiny", "tiny-vlm") else os.path.abspath(model),
-        "architecture": type(net).__name__.removeprefix("FSDP"),
-        "config": os.path.abspath(config),
-        "run": run.as_dict(),
-        "mesh": sizes,
-        "fsdp_shards": shards,
-        "mixed_precision": mixed,
-        "parameters": total_params,
-        "model_bytes": total_bytes,
-        "sharded_bytes_all_ranks": sum(u["bytes_all_ranks"] for u in rows) + replicated,
-        "bytes_per_rank_max": sum(u["bytes_per_rank_max"] for u in rows) + replicated,
-        "layers": layers,
-        "other_units": other,
-        "vision_tower": tower,
-        "reference_model": reference,
-        "prefetch": describe_prefetch(net) if error is None else {},
-        "context_parallel": cp_comm(net_config.get_text_config(), sizes["cp"], sizes["tp"], seq_len, precision.compute,
-                                    settings.cp_state_exchange, run.backend),
-        "tensor_parallel": {"tp": sizes["tp"], "status": error or ("none" if sizes["tp"] == 1 else "applied")},
-        **memory,
-        "seconds": round(time.perf_counter() - started, 2),
-    }
+        shards = sizes["dp_shard"] * sizes["cp"]
+        units = fsdp_units(net) if error is None else []
+        rows = unit_rows(net, units, shards, sizes["tp"]) if units else []
+        layers, vision_rows, other = by_layer(rows, parts.layer_types)
+        tower = None
+        if error is None and parts.vision_model is not None and vision_tower != "none":
+            tower = vision_report(parts.vision_model, units, vision_rows, shards, settings.frozen_multimodal_sharding)
+        memory, tower_step = step_memory(
+            net_config, sizes, precision, run, settings, seq_len=seq_len, batch_size=batch_size, optimizer=optimizer,
+            activation_checkpointing=checkpointing, vision_tower=vision_tower, image_tokens=image_tokens,
+            gpu_memory=gpu_memory, suggest=suggest, reference_model=reference_model,
+        )
+        if tower is not None and tower_step is not None:
+            tower.update(tower_step)
+        replicated = tower["replicated_bytes_per_rank"] if tower else 0
+        reference = None
+        if reference_model:
+            reference = {"units": "the policy's", "bytes_per_rank_max": reference_unit_bytes(rows, precision.storage) + replicated,
+                         "memory_bytes_per_rank": memory["memory_per_rank"]["reference_parameters"],
+                         "gradients": 0, "optimizer_states": 0, "activations": 0}
+        return {
+            "model": model if model in ("tiny", "tiny-vlm") else os.path.abspath(model),
+            "architecture": type(net).__name__.removeprefix("FSDP"),
+            "config": os.path.abspath(config),
+            "run": run.as_dict(),
+            "mesh": sizes,
+            "fsdp_shards": shards,
+            "mixed_precision": mixed,
+            "parameters": total_params,
+            "model_bytes": total_bytes,
+            "sharded_bytes_all_ranks": sum(u["bytes_all_ranks"] for u in rows) + replicated,
+            "bytes_per_rank_max": sum(u["bytes_per_rank_max"] for u in rows) + replicated,
+            "layers": layers,
+            "other_units": other,
+            "vision_tower": tower,
+            "reference_model": reference,
+            "prefetch": describe_prefetch(net) if error is None else {},
+            "context_parallel": cp_comm(net_config.get_text_config(), sizes["cp"], sizes["tp"], seq_len, precision.compute,
+                                        settings.cp_state_exchange, run.backend),
+            "tensor_parallel": {"tp": sizes["tp"], "status": error or ("none" if sizes["tp"] == 1 else "applied")},
+            **memory,
+            "seconds": round(time.perf_counter() - started, 2),
+        }

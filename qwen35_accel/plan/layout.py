@@ -4,7 +4,9 @@ holds a VLM's vision tower."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from .config import PlanError, dtype_bytes
@@ -43,19 +45,36 @@ def meta_model(config: Any, vision_tower: str, mixed_precision: str) -> tuple[An
     return net, parts, policy, precision
 
 
+@contextlib.contextmanager
+def fake_world(world: int) -> Iterator[None]:
+    """A process group of `world` ranks whose collectives are no-ops ("fake"), for laying a
+    model out as `world` processes would, destroyed on exit; a group already there (a plan
+    made inside a distributed job) is used if it has `world` ranks, else PlanError."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world:
+            raise PlanError(f"the YAML describes {world} processes, but this process is rank {dist.get_rank()} of a "
+                            f"process group of {dist.get_world_size()}; make the plan outside that job (qwen35-accel plan)")
+        yield
+        return
+    dist.init_process_group("fake", rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def parallelize(net: Any, sizes: dict[str, int], policy: Any, activation_checkpointing: bool,
                 reshard_after_forward: Any, settings: Any) -> str | None:
-    """`PARALLELIZER.apply` on `net` over a fake process group of the world's size, as the
+    """`PARALLELIZER.apply` on `net` over the world's process group (`fake_world`), as the
     plugin would call it (the same QWEN35_ACCEL_* settings); the reason tensor parallelism
     cannot be applied (NotImplementedError), or None."""
-    import torch.distributed as dist
     from accelerate.parallelism_config import ParallelismConfig
 
     from ..parallel.mesh import ParallelDims
     from ..parallelization import PARALLELIZER
 
-    if not dist.is_initialized():
-        dist.init_process_group("fake", rank=0, world_size=sizes["world"])  # collectives are no-ops
     config = ParallelismConfig(
         dp_replicate_size=sizes["dp_replicate"], dp_shard_size=sizes["dp_shard"], cp_size=sizes["cp"], tp_size=sizes["tp"]
     )

@@ -106,7 +106,7 @@ def test_assisted_decoding_is_that_of_transformers_or_refused_as_transformers_re
     kept = []
     layer = model.model.layers[0].linear_attn
     rule = layer._rule_keeping_states
-    layer._rule_keeping_states = lambda *args: kept.append(args[6]) or rule(*args)  # (…, keep, documents, kwargs)
+    layer._rule_keeping_states = lambda *args: kept.append(args[6]) or rule(*args)  # (…, keep, final_state, documents, kwargs)
     prompt = random_batch(1, 7, reference.config.vocab_size, seed=2)["input_ids"].repeat(1, 2)  # lookups that hit
     settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     outcomes = []

@@ -289,7 +289,8 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         single = recurrent_state is not None and seq_len == 1
         if KEEPS_STATES and not single:
             keep = min(cache.get_recurrent_states_to_keep(self.layer_idx), seq_len) if cache is not None else 0
-            out, state = self._rule_keeping_states(query, key, value, g, beta, recurrent_state, keep, documents, kwargs)
+            out, state = self._rule_keeping_states(query, key, value, g, beta, recurrent_state, keep, cache is not None,
+                                                   documents, kwargs)
             if cache is not None:
                 cache.update_recurrent_state(state, self.layer_idx)
             return out
@@ -320,18 +321,19 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         beta: torch.Tensor,
         initial_state: torch.Tensor | None,
         keep: int,
+        final_state: bool,
         documents: torch.Tensor | None,
         kwargs: dict[str, Any],
-    ) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]:
+    ) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor] | None]:
         """Transformers >= 5.25's rule: the chunked rule over all but the last `keep` tokens, then
         the recurrent rule token by token. The output [batch, seq, v_heads, v_dim] and the final
-        state, or with `keep` the state after each of the last `keep` tokens (a cache recording its
-        past crops rejected candidate tokens with them)."""
+        state (if `final_state`: a cache takes it), or with `keep` the state after each of the last
+        `keep` tokens (a cache recording its past crops rejected candidate tokens with them)."""
         split = query.shape[1] - keep
         heads, tails = zip(*(torch.tensor_split(t, [split], dim=1) for t in (query, key, value, g, beta)))
         chunk = _kernel("torch_chunk_gated_delta_rule", "fla", query)
-        out, state = chunk(*heads[:3], g=heads[3], beta=heads[4], initial_state=initial_state, output_final_state=True,
-                           use_qk_l2norm_in_kernel=True, cu_seqlens=documents, **kwargs)
+        out, state = chunk(*heads[:3], g=heads[3], beta=heads[4], initial_state=initial_state,
+                           output_final_state=final_state or keep > 0, use_qk_l2norm_in_kernel=True, cu_seqlens=documents, **kwargs)
         outputs, states = [out], []
         step = _kernel("torch_recurrent_gated_delta_rule", "fla", query)
         for i in range(keep):

@@ -145,12 +145,11 @@ def reference_unit_bytes(rows: list[dict[str, Any]], storage: int) -> int:
     unit in the checkpoint's dtype (`storage` bytes per element; the plugin keeps a frozen
     model's dtype), the fp32 gate holders fp32 in both."""
     from ..model.fp32_gate import HOLDER_NAME
-    from .config import DTYPE_BYTES
 
     def held(u: dict[str, Any]) -> int:
         if all(HOLDER_NAME in m.split(".") for m in u["modules"]):
             return u["bytes_per_rank_max"]
-        return u["bytes_per_rank_max"] * storage // DTYPE_BYTES.get(u["storage"], 4)
+        return u["bytes_per_rank_max"] * storage // dtype_bytes(u["storage"])
 
     return sum(held(u) for u in rows)
 

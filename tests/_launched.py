@@ -77,11 +77,32 @@ def _closure(names: set[str]) -> set[str]:
     return found
 
 
-def _segment(stderr: str, name: str) -> str:
-    match = re.search(rf"^{re.escape(MARK)} begin {re.escape(name)}\n(.*?)^{re.escape(MARK)} end {re.escape(name)}$",
-                      stderr, re.S | re.M)
-    assert match, f"no output of run {name!r} in the launch's stderr"
-    return match.group(1)
+def _segments(stderr: str) -> dict[str, tuple[str, bool]]:
+    """{run name: (the launch's stderr from its begin mark to its end mark, or to the end of the
+    output if it never ended; whether it ended)}, from the marks rank 0 writes on lines of their own."""
+    found: dict[str, tuple[str, bool]] = {}
+    marks = list(re.finditer(rf"^{re.escape(MARK)} (begin|end) (.+)$", stderr, re.M))
+    for i, mark in enumerate(marks):
+        if mark.group(1) != "begin":
+            continue
+        name = mark.group(2)
+        end = next((m for m in marks[i + 1:] if m.group(1) == "end" and m.group(2) == name), None)
+        found[name] = (stderr[mark.end() + 1:end.start() if end else len(stderr)], end is not None)
+    return found
+
+
+def _failure(name: str, batch: list[str], why: str, result: subprocess.CompletedProcess[str]) -> str:
+    """What a test of a failed launch reports: its own run's state, and the stderr of the run that
+    failed (its own if it is that run), then the launch's exit code and output tails."""
+    segments = _segments(result.stderr)
+    broken = [n for n in batch if n in segments and not segments[n][1]]
+    state = ("failed" if name in broken else "finished" if name in segments
+             else "did not start" if broken else "left no marks")
+    text = f"the launch of runs {batch} {why}; this test's run {name!r} {state}"
+    for n in broken:
+        text += f"\n--- stderr of run {n!r} (every rank's lines after rank 0 began it; last 6000 chars) ---\n"
+        text += segments[n][0][-6000:]
+    return f"{text}\n--- the launch ---\n{describe(result)}"
 
 
 class Launches:
@@ -132,7 +153,11 @@ class Launches:
         if result.returncode != 0 or result.leftover_processes:
             why = "ranks outlived the launcher" if result.returncode == 0 else "failed"
             for n in batch:
-                self._failed[n] = f"the launch of runs {batch} {why} (this test's run: {n})\n{describe(result)}"
+                self._failed[n] = _failure(n, batch, why, result)
             return
+        segments = _segments(result.stderr)
         for n in batch:
-            self._done[n] = Launched(self._dir(n) / "out", self._dir(n) / "in", _segment(result.stderr, n), result)
+            if n in segments and segments[n][1]:
+                self._done[n] = Launched(self._dir(n) / "out", self._dir(n) / "in", segments[n][0], result)
+            else:
+                self._failed[n] = _failure(n, batch, "exited 0 without marking this run's end", result)

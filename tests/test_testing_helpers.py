@@ -158,15 +158,33 @@ def test_batched_runs_share_one_process_each_with_its_own_arguments_environment_
     assert not (tmp_path / "base" / "helpers_unselected").exists()
 
 
-def test_a_failed_run_fails_every_test_of_its_launch_with_the_output(tmp_path, monkeypatch):
+def test_a_failed_run_fails_every_test_of_its_launch_naming_the_run_with_its_own_stderr(tmp_path, monkeypatch):
     from _launched import RUNS, Launches, Run
 
-    (tmp_path / "fail.py").write_text("raise RuntimeError('run a failed')\n")
-    (tmp_path / "ok.py").write_text("print('ran')\n")
+    (tmp_path / "fail.py").write_text("import sys\nprint('fail.py says', file=sys.stderr)\nraise RuntimeError('run a failed')\n")
+    (tmp_path / "ok.py").write_text("import sys\nprint('ok.py says', file=sys.stderr)\n")
+    monkeypatch.setitem(RUNS, "helpers/ok", Run(None, tmp_path / "ok.py"))
     monkeypatch.setitem(RUNS, "helpers/fail", Run(None, tmp_path / "fail.py"))
     monkeypatch.setitem(RUNS, "helpers/after", Run(None, tmp_path / "ok.py"))
-    launched = Launches([_Item("helpers/fail"), _Item("helpers/after")], tmp_path / "base")
-    for name in ("helpers/after", "helpers/fail"):  # one launch; the second request does not relaunch
-        with pytest.raises(AssertionError, match=r"(?s)the launch of runs \['helpers/fail', 'helpers/after'\] failed.*run a failed"):
-            launched(name)
+    launched = Launches([_Item("helpers/ok"), _Item("helpers/fail"), _Item("helpers/after")], tmp_path / "base")
+    batch = r"the launch of runs \['helpers/ok', 'helpers/fail', 'helpers/after'\] failed"
+    own = r"--- stderr of run 'helpers/fail' [^\n]*\nfail.py says\n(?:(?!ok.py says).)*run a failed"
+    for name, state in (("helpers/after", "did not start"), ("helpers/fail", "failed"), ("helpers/ok", "finished")):
+        with pytest.raises(AssertionError, match=rf"(?s){batch}; this test's run '{name}' {state}\n{own}"):
+            launched(name)  # one launch; later requests do not relaunch
     assert len(list((tmp_path / "base").glob("spec_*.json"))) == 1
+
+
+def test_a_run_after_a_line_left_open_keeps_its_own_output(tmp_path, monkeypatch):
+    """A progress bar (`\r` updates, no newline) on any rank leaves the launch's stderr mid-line when
+    rank 0 marks the next run: the marks must still start lines of their own (under load a rank's
+    weight-loading bar met rank 0's mark, and the test found no output of its run)."""
+    from _launched import RUNS, Launches, Run
+
+    (tmp_path / "bar.py").write_text("import sys\nsys.stderr.write('loading 1/2\\rloading 2/2'); sys.stderr.flush()\n")
+    (tmp_path / "note.py").write_text("import sys\nprint('note of', sys.argv[1], file=sys.stderr)\n")
+    monkeypatch.setitem(RUNS, "helpers/bar", Run(None, tmp_path / "bar.py"))
+    monkeypatch.setitem(RUNS, "helpers/note", Run(None, tmp_path / "note.py", ("n",)))
+    launched = Launches([_Item("helpers/bar", "helpers/note")], tmp_path / "base")
+    assert launched("helpers/bar").stderr.strip().splitlines() == ["loading 1/2", "loading 2/2"]  # text mode: \r read as \n
+    assert launched("helpers/note").stderr.strip() == "note of n"

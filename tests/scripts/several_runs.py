@@ -27,9 +27,14 @@ MARK = "[several_runs]"
 
 
 def _mark(what: str, name: str) -> None:
+    """One line on a line of its own, whatever the ranks wrote before it: every rank writes to
+    the launcher's one stderr pipe, and a line left open there (a progress bar's `\r…` on any
+    rank, e.g. Transformers' weight loading on every rank) would otherwise run into the marker.
+    One `os.write` of under PIPE_BUF bytes reaches the pipe whole."""
     if int(os.environ.get("RANK", "0")) == 0:
         sys.stdout.flush()
-        print(f"{MARK} {what} {name}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), f"\n{MARK} {what} {name}\n".encode())
 
 
 def main(spec_path: str) -> None:

@@ -8,14 +8,15 @@ import re
 import warnings
 from importlib import metadata
 
-# name -> (minimum inclusive, maximum exclusive, why this minimum)
+# name -> (minimum inclusive, maximum exclusive, why these bounds). Both ends are what the test
+# suite ran with (README: Supported versions), and equal pyproject.toml's dependency ranges and,
+# for accelerate and transformers, the plugin's guards (integrations/activation.py):
+# tests/test_versions.py holds the three together.
 SUPPORTED: dict[str, tuple[str, str, str]] = {
-    "torch": ("2.11", "3", "the oldest torch the whole test suite ran with: FSDP2, DeviceMesh flattening, DTensor"),
-    "transformers": ("5.24", "6", "the Qwen3.5 modeling code whose GatedDeltaNet forward qwen35_accel mirrors"),
-    "accelerate": ("1.15", "2", "ParallelismConfig and the FSDP2 preparation path qwen35_accel hooks"),
+    "torch": ("2.11", "2.16", "the torch releases the test suite ran with: FSDP2, DeviceMesh flattening, DTensor"),
+    "transformers": ("5.24", "5.26", "the Qwen3.5 modeling code whose GatedDeltaNet forward qwen35_accel mirrors"),
+    "accelerate": ("1.15", "1.17", "ParallelismConfig and the FSDP2 preparation path qwen35_accel hooks"),
 }
-# The exact versions the test suite ran with (README: Supported versions).
-TESTED = {"torch": "2.13.0", "transformers": "5.24.0", "accelerate": "1.15.0"}
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -58,7 +59,7 @@ def check_versions(required: tuple[str, ...] = ("torch", "transformers")) -> dic
         message = (
             "qwen35-accel cannot run with these versions:\n  - "
             + "\n  - ".join(problems)
-            + "\nInstall a supported set, e.g. `pip install torch==2.13.0 transformers==5.24.0 accelerate==1.15.0`"
+            + "\nInstall a supported set, e.g. `pip install torch==2.13.0 transformers==5.24.0 accelerate==1.16.0`"
             + " (QWEN35_ACCEL_IGNORE_VERSIONS=1 turns this into a warning, for experiments at your own risk)."
         )
         if os.environ.get("QWEN35_ACCEL_IGNORE_VERSIONS", "").strip().lower() in ("1", "true", "yes", "on"):

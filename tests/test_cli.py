@@ -199,4 +199,4 @@ def test_env_with_an_unsupported_accelerate_says_why_the_plugin_is_off(monkeypat
     out = capsys.readouterr().out
     assert report["versions_ok"] == {"torch": True, "transformers": True, "accelerate": False}
     assert "accelerate    1.14.0       UNSUPPORTED" in out
-    assert "plugin: NOT ACTIVE: accelerate 1.14.0 is outside the plugin's tested range >=1.15,<1.16" in out
+    assert f"plugin: NOT ACTIVE: accelerate 1.14.0 is outside the plugin's tested range {plugin.TESTED_ACCELERATE}" in out

@@ -52,15 +52,26 @@ def test_replicate_only_data_parallelism_with_cp_is_refused_with_the_layouts_tha
     assert raised.value.__cause__ is None and raised.value.__context__ is None
 
 
-def test_replicate_only_refusal_names_a_layout_for_tensor_parallelism_too(monkeypatch):
-    from qwen35_accel.integrations.parallelism_layouts import replicate_only_refusal
+def test_replicate_only_data_parallelism_with_tp_is_refused_first_only_where_accelerate_refuses_it(monkeypatch):
+    """Accelerate 1.15 refuses dp_replicate > 1, dp_shard 1 with tp > 1 in ParallelismConfig (then so do we,
+    first, with the layouts that work); 1.16 accepts it (DDP x TP for other models; under FSDP its own
+    check refuses it with sound advice), so it is left to Accelerate there."""
+    from accelerate import ParallelismConfig
+
+    from qwen35_accel.integrations.parallelism_layouts import accelerate_refuses_replicate_only_tp, replicate_only_refusal
 
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "4")
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
-    message = str(replicate_only_refusal())
-    assert "on the same 8 processes" in message
-    assert "dp_replicate_size: 2, dp_shard_size: 2 (HSDP)" in message
-    assert "dp_replicate_size: 4, dp_shard_size: 2, tp_size: 1 (HSDP)" in message
+    if accelerate_refuses_replicate_only_tp():
+        with pytest.raises(ValueError, match="cannot be used with pure data parallelism"):
+            ParallelismConfig(dp_replicate_size=4, tp_size=2)
+        message = str(replicate_only_refusal())
+        assert "on the same 8 processes" in message
+        assert "dp_replicate_size: 2, dp_shard_size: 2 (HSDP)" in message
+        assert "dp_replicate_size: 4, dp_shard_size: 2, tp_size: 1 (HSDP)" in message
+    else:
+        ParallelismConfig(dp_replicate_size=4, tp_size=2)  # accepted: stock behaviour stays stock
+        assert replicate_only_refusal() is None
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
     assert replicate_only_refusal() is None  # HSDP x tp: Accelerate's to judge
 

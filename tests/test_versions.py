@@ -26,8 +26,8 @@ def test_unsupported_versions_raise_import_error_naming_each(monkeypatch):
     with pytest.raises(ImportError) as err:
         _versions.check_versions()
     message = str(err.value)
-    assert "torch 2.10.0 is installed; qwen35-accel supports torch>=2.11,<3" in message
-    assert "transformers 4.57.0 is installed; qwen35-accel supports transformers>=5.24,<6" in message
+    assert "torch 2.10.0 is installed; qwen35-accel supports torch>=2.11,<2.16" in message
+    assert "transformers 4.57.0 is installed; qwen35-accel supports transformers>=5.24,<5.26" in message
     assert "accelerate" not in message.split("Install a supported set")[0]
 
 
@@ -56,20 +56,40 @@ def test_an_unsupported_accelerate_does_not_stop_the_import(monkeypatch):
     assert not _versions.is_supported("accelerate", "1.14.0") and _versions.is_supported("accelerate", "1.15.2")
 
 
-def test_the_test_extra_pins_the_plugins_tested_ranges():
-    """`pip install -e ".[test]"` must install what the plugin patches, or the suite tests stock
-    Accelerate; the pins in pyproject.toml and the guards in activation.py are written twice."""
+def _pyproject_requirements(section: str) -> dict[str, str]:
+    """{name: specifier} of pyproject.toml's `dependencies` or of one optional extra."""
     import pathlib
 
     from packaging.requirements import Requirement
-    from packaging.specifiers import SpecifierSet
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-
-    from qwen35_accel.integrations.activation import ACCELERATE, TRANSFORMERS, TRL
-
     pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
-    extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["test"]
-    pins = {req.name: str(req.specifier) for req in map(Requirement, extra)}
-    for guard in (ACCELERATE, TRANSFORMERS, TRL):
-        assert SpecifierSet(pins[guard.package]) == SpecifierSet(guard.tested), (guard.package, pins.get(guard.package))
+    project = tomllib.loads(pyproject.read_text())["project"]
+    listed = project["dependencies"] if section == "dependencies" else project["optional-dependencies"][section]
+    return {req.name: str(req.specifier) for req in map(Requirement, listed)}
+
+
+def test_the_dependency_ranges_are_the_import_check_and_the_plugins_guards():
+    """`pip install qwen35-accel` must resolve to versions where the import check passes and the
+    plugin is active: the ranges are written three times (pyproject.toml, `_versions.SUPPORTED`,
+    the plugin's guards in activation.py) and must agree, both ends."""
+    from packaging.specifiers import SpecifierSet
+
+    from qwen35_accel.integrations.activation import ACCELERATE, TRANSFORMERS
+
+    dependencies = _pyproject_requirements("dependencies")
+    for name, (lo, hi, _why) in _versions.SUPPORTED.items():
+        assert SpecifierSet(dependencies[name]) == SpecifierSet(f">={lo},<{hi}"), (name, dependencies[name], lo, hi)
+    for guard in (ACCELERATE, TRANSFORMERS):
+        assert SpecifierSet(dependencies[guard.package]) == SpecifierSet(guard.tested), (guard.package, guard.tested)
+
+
+def test_the_test_extra_pins_trl_to_the_plugins_tested_range():
+    """The TRL patch points are guarded to one minor; the suite must install that one."""
+    from packaging.specifiers import SpecifierSet
+
+    from qwen35_accel.integrations.activation import TRL
+
+    pins = _pyproject_requirements("test")
+    assert SpecifierSet(pins["trl"]) == SpecifierSet(TRL.tested), pins.get("trl")
+    assert "accelerate" not in pins and "transformers" not in pins  # the dependencies' ranges already are the guards

@@ -49,8 +49,8 @@ class VersionGuard:
         return SpecifierSet(self.tested).contains(version, prereleases=True), version
 
 
-ACCELERATE = VersionGuard("accelerate", ">=1.15,<1.16")
-TRANSFORMERS = VersionGuard("transformers", ">=5.24,<5.25")
+ACCELERATE = VersionGuard("accelerate", ">=1.15,<1.17")
+TRANSFORMERS = VersionGuard("transformers", ">=5.24,<5.26")
 TRL = VersionGuard("trl", ">=1.16,<1.17")
 # The tested ranges, as `qwen35-accel env` and the README show them.
 TESTED_ACCELERATE, TESTED_TRANSFORMERS = ACCELERATE.tested, TRANSFORMERS.tested
@@ -207,8 +207,8 @@ def accelerator_init(original: Callable[..., Any]) -> Callable[..., Any]:
     after creating the accelerator, before any `prepare` call).
 
     Before the original runs, the one parallelism layout Accelerate refuses with advice that
-    contradicts itself (replicate-only data parallelism with cp or tp > 1) is refused here with
-    the layouts that work (`parallelism_layouts.replicate_only_refusal`). An error the original
+    contradicts itself (replicate-only data parallelism with cp > 1, or tp > 1 before Accelerate
+    1.16) is refused here with the layouts that work (`parallelism_layouts.replicate_only_refusal`). An error the original
     raises by itself is Accelerate's: it passes through this frame unchanged but for a note
     saying so (Python cannot drop a caller's frame from a traceback)."""
     from .notices import note_if_not_ours

@@ -34,8 +34,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     ),
     PatchPoint(
         "accelerate.accelerator", "Accelerator.__init__", activation.accelerator_init, ACCELERATE,
-        "every model: refuses dp_replicate > 1 with dp_shard 1 and cp/tp > 1 before Accelerate does, naming the "
-        "layouts that work; then the deferred points whose modules are imported by now (a Trainer subclass may "
+        "every model: refuses dp_replicate > 1 with dp_shard 1 and cp > 1 (tp > 1 too before Accelerate 1.16) before "
+        "Accelerate does, naming the layouts that work; then the deferred points whose modules are imported by now (a Trainer subclass may "
         "prepare a reference model before any prepare call)",
     ),
     PatchPoint(

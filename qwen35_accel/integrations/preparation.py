@@ -65,9 +65,10 @@ def _register_tensor_parallel_optimizers(model: nn.Module, prepared: tuple[Any, 
 
 def _present_layer_classes_only(plugin: Any, model: nn.Module) -> None:
     """Transformers lists `Qwen3_5VisionBlock` in `_no_split_modules` of the text-only
-    model too; Accelerate's TRANSFORMER_BASED_WRAP then fails to find it. Our units do
-    not use the wrap policy, so restrict the defaults to classes the model has."""
-    if getattr(plugin, "transformer_cls_names_to_wrap", None) is None:
+    model too; Accelerate before 1.16 then fails to find it in TRANSFORMER_BASED_WRAP. Our
+    units do not use the wrap policy, so restrict the defaults to classes the model has
+    (what Accelerate 1.16 does itself, so the plugin is left alone there)."""
+    if getattr(plugin, "transformer_cls_names_to_wrap", None) is None and not accelerate_keeps_present_wrap_classes_only():
         present = {type(m).__name__ for m in model.modules()}
         names = [n for n in getattr(model, "_no_split_modules", None) or [] if n in present]
         if names:
@@ -94,8 +95,12 @@ def _moe_note(plugin: Any, model: nn.Module) -> str:
 
     if getattr(plugin, "auto_wrap_policy", None) is not transformer_auto_wrap_policy:  # not TRANSFORMER_BASED_WRAP
         return note
-    names = getattr(plugin, "transformer_cls_names_to_wrap", None) or getattr(model, "_no_split_modules", None) or []
     present = {type(m).__name__ for m in model.modules()}
+    names = getattr(plugin, "transformer_cls_names_to_wrap", None)
+    if names is None:  # Accelerate's defaults: the model's _no_split_modules, from 1.16 only those it has
+        names = getattr(model, "_no_split_modules", None) or []
+        if accelerate_keeps_present_wrap_classes_only():
+            names = [n for n in names if n in present]
     missing = [n for n in names if n not in present]
     if missing:
         layers = [n for n in names if n in present] or ["Qwen3_5MoeDecoderLayer"]
@@ -105,6 +110,17 @@ def _moe_note(plugin: Any, model: nn.Module) -> str:
             f"transformer layer class': add `fsdp_transformer_layer_cls_to_wrap: {','.join(layers)}` to fsdp_config"
         )
     return note
+
+
+def accelerate_keeps_present_wrap_classes_only() -> bool:
+    """Whether Accelerate's default FSDP2 wrap classes are the model's `_no_split_modules` that it
+    has (Accelerate >= 1.16); before, every listed class, so a listed class the model lacks stops
+    the wrap ('Could not find the transformer layer class'). Names given in the config are used
+    as given in both."""
+    import accelerate
+    from packaging.version import Version
+
+    return Version(accelerate.__version__).release >= (1, 16)
 
 
 def fsdp2_apply_ac(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -214,9 +230,20 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         f"{type(model).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
         f"activation checkpointing: {checkpointing}, loss: {_loss_in_effect(model)}, "
-        f"GatedDeltaNet kernels: {run_summary(accelerator.device.type == 'cuda')}"
+        f"GatedDeltaNet kernels: {run_summary(accelerator.device.type == 'cuda')}{_hub_kernels_note(model)}"
     )
     return model
+
+
+def _hub_kernels_note(model: nn.Module) -> str:
+    """For the prepared line: that Transformers' kernelize was turned off, and what it had replaced."""
+    from ..model.hub_kernels import HUB_KERNELS_ATTR
+
+    replaced = getattr(model, HUB_KERNELS_ATTR, None)
+    if replaced is None:
+        return ""
+    had = f"; it had replaced {', '.join(replaced)}" if replaced else ""
+    return f", Transformers' Hub kernels (kernelize): off, its forwards would run instead of qwen35_accel's layers{had}"
 
 
 def _loss_in_effect(model: nn.Module) -> str:

@@ -45,7 +45,8 @@ def prepare_extra_model(accelerator: Any, model: nn.Module, *, register: bool) -
 
 def prepare(original: Callable[..., Any]) -> Callable[..., Any]:
     """`Accelerator.prepare` with several dense Qwen3.5 models under FSDP2, or one without an
-    optimizer (evaluation only; stock FSDP2 refuses a model without its optimizer): the ones
+    optimizer (evaluation only; stock FSDP2 before Accelerate 1.16 refuses a model without its
+    optimizer, 1.16 prepares it on its own path, ours is the same on both): the ones
     no optimizer among the arguments holds are prepared by `prepare_extra_model`, the rest
     by the original (one model with its optimizer); results come back in argument order."""
 

@@ -29,6 +29,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from ..ops import kernels
 from ..ops.documents import per_document
 from .checkpoint_gates import restore_checkpoint_gates
+from .hub_kernels import swap_class, turn_off_hub_kernels
 from .packing import install_packing_hook
 
 # Transformers >= 5.25 splits off the tokens whose states a cache recording its past keeps (assisted
@@ -391,12 +392,14 @@ def install_fp32_gate(model: nn.Module) -> int:
     fp32); gates loaded in a lower precision (`from_pretrained(..., dtype=torch.bfloat16)`)
     take the checkpoint's fp32 values back when the model's `name_or_path` leads to its
     safetensors files, and warn once otherwise (`restore_checkpoint_gates`; meta tensors
-    are left to the rank that broadcasts them). The Parameter objects and
+    are left to the rank that broadcasts them). Transformers' Hub kernels are turned off first
+    (`hub_kernels.turn_off_hub_kernels`: kernelize's forwards would shadow the swapped classes'). The Parameter objects and
     `requires_grad` are preserved. `model.named_parameters()` then reports them under
     their Transformers names (`…linear_attn.A_log`), like `state_dict()`. Each text decoder
     holding them computes packed rows document by document (`model.packing`).
     Idempotent: returns the number of layers converted by this call (0 the second time).
     """
+    turn_off_hub_kernels(model)  # before the class swaps: kernelize's instance forwards would outlive them
     converted = 0
     arrived: dict[nn.Module, dict[str, torch.dtype]] = {}  # gates loaded below fp32 precision (not meta)
     for module in model.modules():
@@ -417,7 +420,7 @@ def install_fp32_gate(model: nn.Module) -> int:
         A_log = module._parameters.pop("A_log")
         dt_bias = module._parameters.pop("dt_bias")
         module.add_module(HOLDER_NAME, Fp32GateParams(A_log, dt_bias))
-        module.__class__ = Fp32GateGatedDeltaNet
+        swap_class(module, Fp32GateGatedDeltaNet)
         module.register_state_dict_post_hook(_gate_state_dict_post_hook)
         module.register_load_state_dict_pre_hook(_gate_load_state_dict_pre_hook)
         converted += 1

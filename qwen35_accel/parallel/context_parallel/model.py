@@ -22,6 +22,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from ...model.detect import qwen35_parts
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
+from ...model.hub_kernels import swap_class
 from ...model.packing import SEQUENCE_SHARDED_ATTR, document_layout, text_positions
 from ..collectives import all_gather_flat
 from ..losses import VOCAB_GROUP_ATTR, CausalLMLoss
@@ -193,10 +194,10 @@ def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, state_exc
             if isinstance(module, hf.Qwen3_5GatedDeltaNet):
                 if not isinstance(module, Fp32GateGatedDeltaNet):
                     raise ValueError("install_fp32_gate must run before install_context_parallel")
-                module.__class__ = ContextParallelGatedDeltaNet
+                swap_class(module, ContextParallelGatedDeltaNet)
                 module.state_exchange = state_exchange
             elif isinstance(module, hf.Qwen3_5Attention):
-                module.__class__ = ContextParallelAttention
+                swap_class(module, ContextParallelAttention)
             else:
                 continue
             module._cp_group = group

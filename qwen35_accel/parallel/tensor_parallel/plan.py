@@ -23,6 +23,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from ...model.detect import qwen35_parts
 from ...model.fp32_gate import HOLDER_NAME
+from ...model.hub_kernels import swap_class
 from ..collectives import copy_to_group, reduce_from_group
 from ..losses import VOCAB_GROUP_ATTR, VocabParallelCausalLMLoss
 from .layout import _COLS, LAYOUTS_ATTR, TP_GROUP_ATTR, _rows, _Sliced
@@ -230,7 +231,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
         for factor in whole:
             if type(factor) is not nn.Linear:
                 raise NotImplementedError(f"a LoRA factor of type {type(factor).__name__} under tensor parallelism")
-            factor.__class__ = TensorParallelReplicatedLinear
+            swap_class(factor, TensorParallelReplicatedLinear)
             setattr(factor, TP_GROUP_ATTR, group)
         if layer.block_type == "linear_attention":
             gdn = layer.linear_attn
@@ -245,7 +246,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
             mixer = layer.self_attn
             norms = [mixer.q_norm, mixer.k_norm]
         for norm in norms:
-            norm.__class__ = TensorParallelRMSNormGated if isinstance(norm, hf.Qwen3_5RMSNormGated) else TensorParallelRMSNorm
+            swap_class(norm, TensorParallelRMSNormGated if isinstance(norm, hf.Qwen3_5RMSNormGated) else TensorParallelRMSNorm)
             setattr(norm, TP_GROUP_ATTR, group)
         for block in (mixer, layer.mlp):
             block.register_forward_pre_hook(_input_hook(group), with_kwargs=True)

@@ -43,12 +43,6 @@ def replicate_only_refusal(config: Any = None) -> ValueError | None:
     replicate, shard, cp, tp = size("dp_replicate"), size("dp_shard"), size("cp"), size("tp")
     if not (replicate > 1 and shard == 1 and (cp > 1 or (tp > 1 and accelerate_refuses_replicate_only_tp()))):
         return None
-    return _refusal(replicate, cp, tp, "Accelerate composes cp (before 1.16 also tp) only with sharded data "
-                    "parallelism (dp_shard_size > 1) and refuses this layout",
-                    "Refused by qwen35_accel before Accelerate's own check, whose advice contradicts itself.")
-
-
-def _refusal(replicate: int, cp: int, tp: int, why: str, coda: str) -> ValueError:
     world = replicate * cp * tp
     layouts = [f"dp_replicate_size: 1, dp_shard_size: {replicate} (FSDP2 over the data-parallel ranks)"]
     if replicate % 2 == 0 and replicate > 2:
@@ -58,7 +52,8 @@ def _refusal(replicate: int, cp: int, tp: int, why: str, coda: str) -> ValueErro
     elif tp % 2 == 0:
         layouts.append(f"dp_replicate_size: {replicate}, dp_shard_size: 2, tp_size: {tp // 2} (HSDP)")
     return ValueError(
-        f"parallelism_config has dp_replicate_size={replicate}, dp_shard_size=1, cp_size={cp}, tp_size={tp}: {why}. "
-        f"Layouts that work on the same {world} processes: " + "; or ".join(layouts) + ". See docs/multi_node.md."
-        + (f" ({coda})" if coda else "")
+        f"parallelism_config has dp_replicate_size={replicate}, dp_shard_size=1, cp_size={cp}, tp_size={tp}: Accelerate "
+        "composes cp (before 1.16 also tp) only with sharded data parallelism (dp_shard_size > 1) and refuses this "
+        f"layout. Layouts that work on the same {world} processes: " + "; or ".join(layouts) + ". See "
+        "docs/multi_node.md. (Refused by qwen35_accel before Accelerate's own check, whose advice contradicts itself.)"
     )

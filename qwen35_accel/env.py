@@ -54,14 +54,14 @@ def kernels_report() -> dict[str, Any]:
 
     cuda = torch.cuda.is_available()
     packages = {}
-    for package in ("fla", "causal_conv1d"):
+    for package in ("fla", "causal_conv1d", "fla_conv"):
         found = kernels.status(package)
         packages[package] = {
             "distribution": found.distribution,
             "version": found.version,
             "usable": found.usable,
             "reason": found.reason,
-            "transformers_calls_it": kernels.transformers_uses(package),
+            "transformers_calls_it": kernels.transformers_uses(package) if package in kernels.TRANSFORMERS_FUNCTIONS else False,
         }
     return {"device": "cuda" if cuda else "cpu", "summary": kernels.describe(cuda), "packages": packages}
 

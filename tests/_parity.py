@@ -29,6 +29,19 @@ def eval_logits(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tens
         return model(**inputs).logits
 
 
+def documents_alone(reference: nn.Module, documents: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle of a packed row: the logits of each document ([1, length] ids) run alone,
+    concatenated, and the packed loss: the sum of every document's next-token losses over the
+    number of predictions."""
+    logits, total, count = [], 0.0, 0
+    for doc in documents:
+        out = reference(input_ids=doc).logits
+        logits.append(out)
+        total = total + torch.nn.functional.cross_entropy(out[0, :-1], doc[0, 1:], reduction="sum")
+        count += doc.shape[1] - 1
+    return torch.cat(logits, dim=1), total / count
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 

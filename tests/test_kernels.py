@@ -31,11 +31,12 @@ from qwen35_accel.ops.gated_delta import fla_kernel, select_kernel, torch_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.device("cuda")  # a device object only: nothing here allocates on it
-CUDA_TENSOR = types.SimpleNamespace(is_cuda=True)  # what `_varlen_kernel` reads of its tensor
+CUDA_TENSOR = types.SimpleNamespace(is_cuda=True, device=CUDA)  # what `_varlen_kernel` / `_kernel` read of a tensor
 
 
-def _fake_fla(root: Path, version: str | None, body: str) -> None:
-    """`fla` under `root` whose `__init__` runs `body`, with `fla.ops.gated_delta_rule.chunk_gated_delta_rule`;
+def _fake_fla(root: Path, version: str | None, body: str, conv_args: str | None = None) -> None:
+    """`fla` under `root` whose `__init__` runs `body`, with `fla.ops.gated_delta_rule.chunk_gated_delta_rule`
+    (and with `conv_args`, `fla.modules.convolution.causal_conv1d(x, weight, bias, <conv_args>)`);
     with `version`, a `flash_linear_attention-<version>.dist-info` beside it."""
     ops = root / "fla" / "ops" / "gated_delta_rule"
     ops.mkdir(parents=True)
@@ -44,6 +45,12 @@ def _fake_fla(root: Path, version: str | None, body: str) -> None:
     (ops / "__init__.py").write_text(
         "def chunk_gated_delta_rule(*args, **kwargs):\n    raise AssertionError('the fake FLA kernel was called')\n"
     )
+    if conv_args is not None:
+        (root / "fla" / "modules").mkdir()
+        (root / "fla" / "modules" / "__init__.py").write_text("")
+        (root / "fla" / "modules" / "convolution.py").write_text(
+            f"def causal_conv1d(x, weight=None, bias=None, {conv_args}):\n    raise AssertionError('the fake FLA conv was called')\n"
+        )
     if version is not None:
         info = root / f"flash_linear_attention-{version}.dist-info"
         info.mkdir()
@@ -82,7 +89,8 @@ def test_causal_conv1d_that_raises_oserror_on_import_is_reported_and_not_used(on
     assert not found.usable and "does not import: OSError: causal_conv1d_cuda.so: undefined symbol" in found.reason
     assert select_conv_kernel(CUDA) is torch_conv_kernel
     assert not fp32_gate._varlen_kernel("causal_conv1d", CUDA_TENSOR)
-    assert "causal-conv1d" in kernels.describe(cuda=True)[1] and "does not import" in kernels.describe(cuda=True)[1]
+    line = next(line for line in kernels.describe(cuda=True) if line.strip().startswith("causal-conv1d"))
+    assert "does not import" in line
 
 
 def test_fla_older_than_the_minimum_is_not_used_and_a_recent_one_is(on_path, tmp_path_factory, monkeypatch):
@@ -103,6 +111,62 @@ def test_fla_older_than_the_minimum_is_not_used_and_a_recent_one_is(on_path, tmp
     assert found.usable and found.version == "0.5.2", found
     assert select_kernel(CUDA) is found.function is fla_kernel()
     assert select_kernel(torch.device("cpu")) is torch_kernel()  # CPU tensors: torch, whatever is installed
+
+
+def test_without_causal_conv1d_the_conv_takes_flas_triton_conv_where_it_takes_cu_seqlens(on_path, caplog):
+    from qwen35_accel.ops.causal_conv import fla_conv_kernel
+
+    _fake_fla(on_path, "0.6.0", "", conv_args="activation=None, cu_seqlens=None, **kwargs")
+    found = kernels.fla_conv_status()
+    assert found.usable and found.version == "0.6.0", found
+    assert kernels.conv_package(CUDA) == "fla_conv" and select_conv_kernel(CUDA) is fla_conv_kernel
+    assert kernels.conv_package(torch.device("cpu")) is None and select_conv_kernel(torch.device("cpu")) is torch_conv_kernel
+    # Our layer without CP: FLA's conv instead of Transformers' torch fallback, packed rows through it with seq_idx.
+    assert fp32_gate._kernel("causal_conv1d_fn", "causal_conv1d", CUDA_TENSOR) is fla_conv_kernel
+    assert fp32_gate._varlen_kernel("causal_conv1d", CUDA_TENSOR)
+    assert fp32_gate._kernel("causal_conv1d_update", "causal_conv1d", CUDA_TENSOR) is not fla_conv_kernel  # decoding keeps Transformers'
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        summary = kernels.run_summary(CUDA)
+    assert "conv flash-linear-attention 0.6.0 (Triton conv)" in summary and "causal conv" not in caplog.text
+    assert "GatedDeltaNet conv: FLA's Triton conv" in kernels.describe(cuda=True)
+
+    # A causal-conv1d that imports and takes seq_idx comes first.
+    (on_path / "causal_conv1d").mkdir()
+    (on_path / "causal_conv1d" / "__init__.py").write_text("def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, activation=None):\n    pass\n")
+    kernels.reset()
+    assert kernels.conv_package(CUDA) == "causal_conv1d" and select_conv_kernel(CUDA) is kernels.conv_status().function
+
+
+def test_an_fla_conv_without_cu_seqlens_is_not_used(on_path):
+    _fake_fla(on_path, "0.6.0", "", conv_args="activation=None")
+    found = kernels.fla_conv_status()
+    assert not found.usable and "takes no cu_seqlens" in found.reason
+    assert select_conv_kernel(CUDA) is torch_conv_kernel
+
+
+def test_documents_reach_flas_conv_as_cu_seqlens_over_the_flattened_rows():
+    from qwen35_accel.ops.causal_conv import seq_idx_to_cu_seqlens
+
+    seq_idx = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]], dtype=torch.int32)  # a row starts a segment too
+    assert seq_idx_to_cu_seqlens(seq_idx).tolist() == [0, 2, 5, 6, 8, 10]
+    assert seq_idx_to_cu_seqlens(seq_idx).dtype == torch.int32
+
+
+def test_cpu_tensors_take_flas_triton_kernels_only_in_interpreted_tests(monkeypatch):
+    """The test helper's switch (`qwen35_accel.testing.interpreted_kernels`): CPU tensors go to FLA's
+    Triton kernels only with it set and Triton interpreting; never to causal-conv1d's CUDA build."""
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(kernels.TRITON_ON_CPU_VARIABLE, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert all(kernels.takes_kernel(p, CUDA) for p in ("fla", "fla_conv", "causal_conv1d"))
+    assert not any(kernels.takes_kernel(p, cpu) for p in ("fla", "fla_conv", "causal_conv1d"))
+    monkeypatch.setenv(kernels.TRITON_ON_CPU_VARIABLE, "1")
+    assert not kernels.takes_kernel("causal_conv1d", cpu)
+    with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1 before triton is first imported"):
+        kernels.takes_kernel("fla", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels.takes_kernel("fla", cpu) and kernels.takes_kernel("fla_conv", cpu)
+    assert not kernels.takes_kernel("causal_conv1d", cpu) and not kernels.takes_kernel("fla", torch.device("meta"))
 
 
 @pytest.mark.parametrize("version", ["0.4.0", "0.5.2"])
@@ -133,13 +197,15 @@ def test_a_cuda_run_without_the_kernels_warns_once_naming_why(caplog):
     kernels.reset()
     with caplog.at_level(logging.WARNING, logger=kernels.__name__):
         select_kernel(CUDA), select_kernel(CUDA), select_conv_kernel(CUDA), select_conv_kernel(CUDA)
-        summary = kernels.run_summary(cuda=True)
+        summary = kernels.run_summary(CUDA)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2, warnings
     assert "gated delta rule runs in plain torch on CUDA" in warnings[0] and "flash-linear-attention" in warnings[0]
     assert "causal conv runs in plain torch on CUDA" in warnings[1] and "causal-conv1d" in warnings[1]
-    assert summary == ("rule torch (flash-linear-attention: not installed), conv torch (causal-conv1d: not installed)")
-    assert kernels.run_summary(cuda=False).startswith("torch (CPU run")
+    assert "flash-linear-attention conv: not installed" in warnings[1]  # FLA's Triton conv, the second choice
+    assert summary == ("rule torch (flash-linear-attention: not installed), "
+                       "conv torch (causal-conv1d: not installed; flash-linear-attention conv: not installed)")
+    assert kernels.run_summary(torch.device("cpu")).startswith("torch (CPU run")
     kernels.reset()
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _parity import assert_close, eval_logits, hf_name
+from _parity import assert_close, documents_alone, eval_logits, hf_name
 from qwen35_accel.model.fp32_gate import install_fp32_gate
 from qwen35_accel.model.packing import document_layout
 from qwen35_accel.testing.tiny import build_tiny_causal_lm, packed_documents
@@ -25,23 +25,11 @@ def _models(seed: int = 0):
     return reference, model
 
 
-def _oracle(reference, documents):
-    """Logits of each document alone, concatenated, and the packed loss: the sum of every
-    document's next-token losses over the number of predictions."""
-    logits, total, count = [], 0.0, 0
-    for doc in documents:
-        out = reference(input_ids=doc).logits
-        logits.append(out)
-        total = total + torch.nn.functional.cross_entropy(out[0, :-1], doc[0, 1:], reduction="sum")
-        count += doc.shape[1] - 1
-    return torch.cat(logits, dim=1), total / count
-
-
 def test_every_document_of_a_packed_row_equals_the_document_alone():
     reference, model = _models()
     batch, documents = packed_documents(LENGTHS, reference.config.vocab_size, seed=1)
     out = model(**batch)
-    want_logits, want_loss = _oracle(reference, documents)
+    want_logits, want_loss = documents_alone(reference, documents)
     # fp32 rtol 1e-5: the same kernels on the same tokens, batched with other documents.
     assert_close(out.logits, want_logits, "logits")
     assert_close(out.loss, want_loss, "loss")
@@ -90,7 +78,7 @@ def test_unmodified_transformers_leaks_across_documents_so_the_comparison_can_fa
     reference, _ = _models()
     batch, documents = packed_documents(LENGTHS, reference.config.vocab_size, seed=1)
     leaked = reference(**batch).logits
-    want, _ = _oracle(reference, documents)
+    want, _ = documents_alone(reference, documents)
     assert (leaked - want).abs().max() > 1e-2
 
 
@@ -154,7 +142,7 @@ def _parallel_packing_worker(rank: int, world: int, dp: int, tp: int) -> None:
     reference, model = _models()
     PARALLELIZER.apply(model, mesh)
     batch, documents = packed_documents(LENGTHS, reference.config.vocab_size, seed=5)  # the same row on every rank
-    want_logits, want_loss = _oracle(reference, documents)
+    want_logits, want_loss = documents_alone(reference, documents)
     want_loss.backward()
     for form, inputs in _forms(batch, LENGTHS).items():
         model.zero_grad(set_to_none=True)
@@ -231,7 +219,7 @@ def _cp_packing_worker(rank: int, world: int, dp: int, cp: int, tp: int, rows_pe
     # has the same number of predictions and the oracle is the mean of the rows' losses).
     count = dp * rows_per_replica
     rows = [packed_documents(CP_LENGTHS[r:] + CP_LENGTHS[:r], vocab, seed=10 + r) for r in range(count)]
-    oracle = [_oracle(reference, docs) for _, docs in rows]
+    oracle = [documents_alone(reference, docs) for _, docs in rows]
     want_loss = sum(loss for _, loss in oracle) / count
     want_loss.backward()
     mine = range(mesh["dp_shard"].get_local_rank() * rows_per_replica, (mesh["dp_shard"].get_local_rank() + 1) * rows_per_replica)

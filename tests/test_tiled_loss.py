@@ -143,7 +143,8 @@ def test_modes_are_named_by_the_setting_and_the_parallelizer_alike():
 
 @pytest.mark.parametrize("mode", LOSS_MODES)
 def test_tiled_loss_on_packed_rows_with_checkpointing_equals_each_document_alone(mode):
-    from test_packing import LENGTHS, _models, _oracle
+    from _parity import documents_alone
+    from test_packing import LENGTHS, _models
 
     from qwen35_accel.parallel.activation_checkpointing import apply_activation_checkpointing
     from qwen35_accel.testing.tiny import packed_documents
@@ -153,7 +154,7 @@ def test_tiled_loss_on_packed_rows_with_checkpointing_equals_each_document_alone
     apply_activation_checkpointing(model.model.layers)
     batch, documents = packed_documents(LENGTHS, reference.config.vocab_size, seed=1)
     out = model(**batch)
-    _, want_loss = _oracle(reference, documents)
+    _, want_loss = documents_alone(reference, documents)
     assert out.logits is None
     assert_close(out.loss, want_loss, "loss")
     out.loss.backward()

@@ -230,7 +230,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         f"{type(model).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
         f"activation checkpointing: {checkpointing}, loss: {_loss_in_effect(model)}, "
-        f"GatedDeltaNet kernels: {run_summary(accelerator.device.type == 'cuda')}{_hub_kernels_note(model)}"
+        f"GatedDeltaNet kernels: {run_summary(accelerator.device)}{_hub_kernels_note(model)}"
     )
     return model
 

@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from ..ops import kernels
+from ..ops.causal_conv import fla_conv_kernel
 from ..ops.documents import per_document
 from .checkpoint_gates import restore_checkpoint_gates
 from .hub_kernels import swap_class, turn_off_hub_kernels
@@ -43,13 +44,14 @@ GATE_PARAM_NAMES = ("A_log", "dt_bias")
 
 
 def _varlen_kernel(package: str, x: torch.Tensor) -> bool:
-    """Whether packed rows go to `package`'s varlen kernel through Transformers' function
-    (`causal_conv1d`: `seq_idx`; FLA: `cu_seqlens`): CUDA tensors, the package usable
-    (`ops.kernels`: it imports, is recent enough) and Transformers calling it (its torch
-    fallbacks raise on those arguments). Elsewhere every document runs alone through the
-    kernels Transformers has (`per_document`). Not verified on a GPU in this project's CI
-    (no GPU there); Transformers' own packed path makes the same calls."""
-    return x.is_cuda and kernels.varlen_ok(package)
+    """Whether packed rows go to a varlen kernel: FLA's rule (`cu_seqlens`, through Transformers'
+    function) or a conv kernel (`seq_idx`: Transformers' causal-conv1d function, or FLA's Triton
+    conv where that is the chosen one, `kernels.conv_package`). The package must take `x`'s
+    device (`kernels.takes_kernel`: CUDA), be usable and be what Transformers calls (its torch
+    fallbacks raise on those arguments). Elsewhere every document runs alone (`per_document`)."""
+    if package == "causal_conv1d" and kernels.conv_package(x.device) == "fla_conv":
+        return True
+    return kernels.takes_kernel(package, x.device) and kernels.varlen_ok(package)
 
 
 def _kernel(name: str, package: str, x: torch.Tensor) -> Callable[..., Any]:
@@ -57,10 +59,14 @@ def _kernel(name: str, package: str, x: torch.Tensor) -> Callable[..., Any]:
     or its torch fallback), except where it resolved to `package` and that cannot serve `x`:
     off CUDA (the packages' kernels are CUDA-only, Transformers calls them on any device), or
     `package` found unusable by `ops.kernels` (older than `MIN_FLA`, its backward would raise).
-    Then the torch function under it."""
-    if kernels.transformers_uses(package) is not True or (x.is_cuda and kernels.status(package).usable):
+    Then the torch function under it. The conv (`causal_conv1d_fn`) takes FLA's Triton conv
+    instead of any torch function where that is usable (`kernels.conv_package`)."""
+    uses = kernels.transformers_uses(package) is True
+    if uses and kernels.takes_kernel(package, x.device) and kernels.status(package).usable:
         return getattr(hf, name)
-    return _torch_function(name)
+    if name == "causal_conv1d_fn" and kernels.conv_package(x.device) == "fla_conv":
+        return fla_conv_kernel
+    return _torch_function(name) if uses else getattr(hf, name)
 
 
 @functools.cache
@@ -222,7 +228,8 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         """Depthwise causal conv + activation: [batch, conv_dim, seq] -> the same shape.
 
         Transformers' kernels, looked up on its module at call time (torch fallback or
-        causal-conv1d), with the cache's conv state when one is given.
+        causal-conv1d; FLA's Triton conv instead of the torch one where usable: `_kernel`),
+        with the cache's conv state when one is given.
         """
         seq_len = mixed_qkv.shape[-1]
         weight = self.conv1d.weight.squeeze(1)
@@ -231,7 +238,8 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
             batch = mixed_qkv.shape[0]
             index = torch.arange(batch * seq_len, device=documents.device)
             seq_idx = (torch.searchsorted(documents[1:-1].long(), index, right=True)).view(batch, seq_len).to(torch.int32)
-            return hf.causal_conv1d_fn(mixed_qkv, weight, self.conv1d.bias, activation=self.activation, seq_idx=seq_idx)
+            conv = _kernel("causal_conv1d_fn", "causal_conv1d", mixed_qkv)
+            return conv(mixed_qkv, weight, self.conv1d.bias, activation=self.activation, seq_idx=seq_idx)
         if documents is not None and cache is None:  # packed rows: each document's window starts at its start
             batch, channels = mixed_qkv.shape[:2]
             flat = mixed_qkv.transpose(1, 2).reshape(batch * seq_len, channels)

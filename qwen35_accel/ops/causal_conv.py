@@ -1,4 +1,5 @@
-"""The depthwise causal conv of GatedDeltaNet as one kernel interface: causal-conv1d's or torch's.
+"""The depthwise causal conv of GatedDeltaNet as one kernel interface: causal-conv1d's, FLA's
+Triton conv (where causal-conv1d is not usable: it needs a CUDA build, FLA installs with pip) or torch's.
 
 Both are called as causal-conv1d's `causal_conv1d_fn` is: kernel(x [batch, channels, n],
 weight [channels, taps], bias [channels] | None, seq_idx=[batch, n] int32 | None,
@@ -51,6 +52,45 @@ def torch_conv_kernel(
     return out.to(x.dtype)
 
 
+def seq_idx_to_cu_seqlens(seq_idx: torch.Tensor) -> torch.Tensor:
+    """`seq_idx` [batch, n] (non-decreasing along each row, as packed documents give) -> FLA's
+    `cu_seqlens` [segments + 1] int32 over the flattened batch·n tokens: a segment starts at each
+    row's start and wherever the index changes. One host sync (the segment count)."""
+    starts = torch.ones_like(seq_idx, dtype=torch.bool)
+    starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    offsets = torch.nonzero(starts.flatten()).flatten()
+    return torch.cat([offsets, offsets.new_tensor([seq_idx.numel()])]).to(torch.int32)
+
+
+def fla_conv_kernel(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    activation: str | None = None,
+    **_: object,
+) -> torch.Tensor:
+    """The interface's rule through FLA's Triton `causal_conv1d` (`kernels.fla_conv_status()`
+    usable; CUDA tensors, or CPU ones under Triton's interpreter in tests).
+
+    FLA takes channel-last [batch, n, channels] and packed documents as `cu_seqlens` over one
+    flattened row: `seq_idx` (non-decreasing per row) becomes those segments. It accumulates in
+    fp32 and returns `x`'s dtype. Further keyword arguments (Transformers' call passes its
+    kwargs on) are ignored, as Transformers' wrapper filters them.
+    """
+    function = kernels.fla_conv_status().function
+    assert function is not None, "fla_conv_kernel called without a usable FLA conv"
+    batch, channels, n = x.shape
+    channel_last = x.transpose(1, 2)
+    if seq_idx is None:
+        out, _ = function(channel_last, weight, bias, activation=activation)
+    else:
+        flat = channel_last.reshape(1, batch * n, channels)
+        out, _ = function(flat, weight, bias, activation=activation, cu_seqlens=seq_idx_to_cu_seqlens(seq_idx))
+        out = out.view(batch, n, channels)
+    return out.transpose(1, 2).to(x.dtype)
+
+
 def causal_conv1d_kernel() -> ConvKernel | None:
     """causal-conv1d's `causal_conv1d_fn` (CUDA tensors only) where `kernels.conv_status()`
     finds it usable (installed, importable, takes `seq_idx`), else None."""
@@ -58,14 +98,19 @@ def causal_conv1d_kernel() -> ConvKernel | None:
 
 
 def select_conv_kernel(device: torch.device) -> ConvKernel:
-    """causal-conv1d's kernel on CUDA when usable, else `torch_conv_kernel` (on CUDA with a
-    warning, once per process, naming why).
+    """For tensors on `device` (`kernels.conv_package`): causal-conv1d's kernel on CUDA when
+    usable, else FLA's Triton conv (`fla_conv_kernel`) when usable, else `torch_conv_kernel`
+    (on CUDA with a warning, once per process, naming why).
 
-    The causal-conv1d branch is not verified in this project's CI (no GPU there);
-    `benchmarks/cuda_check.py` compares the two on a GPU.
+    The causal-conv1d branch is not verified in this project's CI (no GPU there); FLA's conv
+    is, through Triton's interpreter on CPU (`qwen35_accel.testing.interpreted_kernels`);
+    `benchmarks/cuda_check.py` compares them on a GPU.
     """
+    package = kernels.conv_package(device)
+    if package == "causal_conv1d":
+        return causal_conv1d_kernel()
+    if package == "fla_conv":
+        return fla_conv_kernel
     if device.type == "cuda":
-        if (kernel := causal_conv1d_kernel()) is not None:
-            return kernel
         kernels.warn_torch_fallback("causal_conv")
     return torch_conv_kernel

@@ -46,15 +46,17 @@ def fla_kernel() -> Kernel | None:
 
 
 def select_kernel(device: torch.device) -> Kernel:
-    """The kernel for tensors on `device`: FLA's on CUDA when usable, else `torch_kernel()`
-    (on CUDA with a warning, once per process, naming why).
+    """The kernel for tensors on `device`: FLA's where it takes them (`kernels.takes_kernel`:
+    CUDA) and is usable, else `torch_kernel()` (on CUDA with a warning, once per process,
+    naming why).
 
-    The FLA branch is not verified in this project's CI (no GPU there; FLA's kernels do not
-    run under Triton's CPU interpreter); `benchmarks/cuda_check.py` compares the two on a GPU.
+    Tests reach the FLA branch on CPU through Triton's interpreter
+    (`qwen35_accel.testing.interpreted_kernels`); `benchmarks/cuda_check.py` compares the two
+    on a GPU.
     """
+    if kernels.takes_kernel("fla", device) and (fla := fla_kernel()) is not None:
+        return fla
     if device.type == "cuda":
-        if (fla := fla_kernel()) is not None:
-            return fla
         kernels.warn_torch_fallback("gated_delta")
     return torch_kernel()
 

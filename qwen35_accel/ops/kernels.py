@@ -1,5 +1,6 @@
 """Which optional CUDA kernels this process can use, decided once: FLA's chunked gated delta
-rule (package `flash-linear-attention`, module `fla`) and causal-conv1d's conv.
+rule (package `flash-linear-attention`, module `fla`), causal-conv1d's conv and FLA's Triton
+conv (`fla_conv`, taken where causal-conv1d is not usable).
 
 A package counts as usable only if it imports (an installed package that fails to import,
 e.g. causal-conv1d built for another torch, is reported with its error), is recent enough and
@@ -13,7 +14,9 @@ whenever those import (no version check), on any device, and its torch fallbacks
 may hand packed rows to a varlen kernel only where both agree (`varlen_ok`), and takes the
 torch kernels where Transformers would call a package found unusable here.
 
-The kernels run on CUDA tensors only; on CPU the torch kernels run whatever is installed.
+The kernels run on CUDA tensors only (`takes_kernel`); on CPU the torch kernels run whatever
+is installed. Tests run FLA's Triton kernels on CPU tensors through Triton's interpreter
+(`qwen35_accel.testing.interpreted_kernels`), through this same selection.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import importlib.metadata as md
 import importlib.util
 import inspect
 import logging
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -40,9 +44,23 @@ MIN_FLA = "0.5.0"
 
 FLA_FUNCTION = ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
 CONV_FUNCTION = ("causal_conv1d", "causal_conv1d_fn")
+# FLA's Triton causal conv: `fla.modules.convolution.causal_conv1d(x [batch, seq, channels], weight
+# [channels, taps], bias, activation=, cu_seqlens=) -> (y, final state)`, the same in 0.5.0 (module
+# `fla.modules.convolution`) and 0.6.x (an alias of `fla.modules.causal_conv1d` kept there).
+FLA_CONV_FUNCTION = ("fla.modules.convolution", "causal_conv1d")
+# Packages whose kernels are Triton (they run on CPU tensors under Triton's interpreter; causal-conv1d
+# is a CUDA build).
+TRITON_PACKAGES = frozenset({"fla", "fla_conv"})
+# Tests only: with this set to 1 (and Triton interpreting: TRITON_INTERPRET=1), CPU tensors take the
+# Triton packages' kernels as CUDA tensors do (`takes_kernel`).
+TRITON_ON_CPU_VARIABLE = "QWEN35_ACCEL_TRITON_ON_CPU"
 # Where the version comes from, first found: from 0.3.2 on the `fla` ops ship in fla-core (which
 # flash-linear-attention requires); before, in flash-linear-attention itself.
-DISTRIBUTIONS = {"fla": ("fla-core", "flash-linear-attention"), "causal_conv1d": ("causal-conv1d",)}
+DISTRIBUTIONS = {
+    "fla": ("fla-core", "flash-linear-attention"),
+    "fla_conv": ("fla-core", "flash-linear-attention"),
+    "causal_conv1d": ("causal-conv1d",),
+}
 # The Transformers function that names each package's kernel (see module doc).
 TRANSFORMERS_FUNCTIONS = {"fla": "torch_chunk_gated_delta_rule", "causal_conv1d": "causal_conv1d_fn"}
 
@@ -51,7 +69,7 @@ TRANSFORMERS_FUNCTIONS = {"fla": "torch_chunk_gated_delta_rule", "causal_conv1d"
 class KernelStatus:
     """What a probe of one package found. `usable`: we call its kernel on CUDA tensors."""
 
-    package: str  # import name: "fla" or "causal_conv1d"
+    package: str  # "fla", "causal_conv1d" (import names) or "fla_conv" (FLA's conv)
     distribution: str  # what `pip install` takes
     version: str | None  # installed distribution's version (None: not installed)
     usable: bool
@@ -62,6 +80,23 @@ class KernelStatus:
         """One line for `env` and the prepared line: package, version, verdict."""
         version = self.version or "not installed"
         return f"{self.distribution} {version}: {'used on CUDA' if self.usable else 'NOT used'} ({self.reason})"
+
+
+def takes_kernel(package: str, device: Any) -> bool:
+    """Whether tensors on `device` (a `torch.device`) may go to `package`'s kernel: CUDA ones;
+    CPU ones only for the Triton packages (`TRITON_PACKAGES`) in tests that run them through
+    Triton's interpreter (`TRITON_ON_CPU_VARIABLE`=1 with `TRITON_INTERPRET=1`; without the
+    latter this raises: compiled Triton kernels cannot take CPU tensors)."""
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu" or package not in TRITON_PACKAGES or os.environ.get(TRITON_ON_CPU_VARIABLE) != "1":
+        return False
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"{TRITON_ON_CPU_VARIABLE}=1 sends CPU tensors to FLA's Triton kernels, which only Triton's interpreter "
+            "runs: set TRITON_INTERPRET=1 before triton is first imported (see qwen35_accel.testing.interpreted_kernels)"
+        )
+    return True
 
 
 def _version(package: str) -> tuple[str, str | None]:
@@ -160,9 +195,37 @@ def conv_status() -> KernelStatus:
     return KernelStatus("causal_conv1d", dist, version, True, "causal_conv1d_fn with seq_idx", function)
 
 
+@functools.cache
+def fla_conv_status() -> KernelStatus:
+    """FLA's Triton causal conv: FLA installed, importable, >= MIN_FLA, with `cu_seqlens`."""
+    dist, version = _version("fla_conv")
+    if version is None and importlib.util.find_spec("fla") is None:
+        return KernelStatus("fla_conv", dist, None, False, "not installed")
+    function, error = _import(*FLA_CONV_FUNCTION)
+    if function is None:
+        return KernelStatus("fla_conv", dist, version, False, f"installed but its conv does not import: {error}")
+    if version is None:
+        version = getattr(importlib.import_module("fla"), "__version__", None)
+    if version is None or _parse(version) < _parse(MIN_FLA):
+        return KernelStatus("fla_conv", dist, version, False, f"older than {MIN_FLA}; pip install -U flash-linear-attention")
+    try:
+        takes_cu_seqlens = "cu_seqlens" in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        takes_cu_seqlens = False
+    if not takes_cu_seqlens:
+        return KernelStatus("fla_conv", dist, version, False, "its causal_conv1d takes no cu_seqlens")
+    return KernelStatus("fla_conv", dist, version, True, "FLA's Triton causal_conv1d with cu_seqlens", function)
+
+
 def status(package: str) -> KernelStatus:
-    """`fla_status()` or `conv_status()` by import name."""
-    return {"fla": fla_status, "causal_conv1d": conv_status}[package]()
+    """`fla_status()`, `conv_status()` or `fla_conv_status()` by name ("fla", "causal_conv1d", "fla_conv")."""
+    return {"fla": fla_status, "causal_conv1d": conv_status, "fla_conv": fla_conv_status}[package]()
+
+
+def conv_package(device: Any) -> str | None:
+    """Which package's conv kernel tensors on `device` take: "causal_conv1d" where usable (CUDA),
+    else "fla_conv" (FLA's Triton conv) where usable, else None (torch)."""
+    return _chosen("conv", device)
 
 
 @functools.cache
@@ -196,45 +259,65 @@ def avoid_transformers_kernel(package: str) -> bool:
 
 _warned: set[str] = set()
 
+# What each kernel slot can take, in order of preference (the torch kernel after them).
+SLOTS = {"rule": ("fla",), "conv": ("causal_conv1d", "fla_conv")}
+_SLOT_NAMES = {"rule": "chunked gated delta rule", "conv": "causal conv"}
+KERNEL_NAMES = {"fla": "FLA's chunk_gated_delta_rule", "causal_conv1d": "causal-conv1d", "fla_conv": "FLA's Triton conv"}
+
+
+def _why_torch(slot: str) -> str:
+    return "; ".join(f"{status(p).distribution}{' conv' if p == 'fla_conv' else ''}: {status(p).reason}" for p in SLOTS[slot])
+
 
 def warn_torch_fallback(what: str) -> None:
-    """Warn once per process (per `what`) that a CUDA run takes a torch kernel, and why."""
+    """Warn once per process (per `what`: "gated_delta" or "causal_conv") that a CUDA run takes
+    a torch kernel, and why (each candidate package's verdict)."""
     if what in _warned:
         return
     _warned.add(what)
-    package = "fla" if what == "gated_delta" else "causal_conv1d"
-    logger.warning(
-        "qwen35_accel: the %s runs in plain torch on CUDA (much slower, same result): %s",
-        "chunked gated delta rule" if package == "fla" else "causal conv",
-        status(package).line(),
-    )
+    slot = "rule" if what == "gated_delta" else "conv"
+    logger.warning("qwen35_accel: the %s runs in plain torch on CUDA (much slower, same result): %s", _SLOT_NAMES[slot], _why_torch(slot))
+
+
+def _chosen(slot: str, device: Any) -> str | None:
+    """The package whose kernel tensors on `device` take for `slot`, or None (torch)."""
+    return next((p for p in SLOTS[slot] if takes_kernel(p, device) and status(p).usable), None)
 
 
 def describe(cuda: bool) -> list[str]:
     """What `env` says: which kernels a run on this machine takes, and what each probe found."""
+    import torch
+
+    device = torch.device("cuda" if cuda else "cpu")
     lines = [] if cuda else ["CPU run: the torch kernels run (FLA's and causal-conv1d's kernels are CUDA-only); on CUDA:"]
-    for package, kernel in (("fla", "GatedDeltaNet rule"), ("causal_conv1d", "GatedDeltaNet conv")):
-        found = status(package)
-        chosen = f"the {found.distribution} kernel" if found.usable else "torch (slow)"
-        lines.append(f"{'  ' if not cuda else ''}{kernel}: {chosen} — {found.line()}")
-        if avoid_transformers_kernel(package):
-            lines.append(f"    (Transformers calls {found.distribution} here; qwen35_accel's layers take torch instead)")
+    indent = "  " if not cuda else ""
+    for slot, kernel in (("rule", "GatedDeltaNet rule"), ("conv", "GatedDeltaNet conv")):
+        package = _chosen(slot, device) if cuda else next((p for p in SLOTS[slot] if status(p).usable), None)
+        lines.append(f"{indent}{kernel}: {KERNEL_NAMES[package] if package else 'torch (slow)'}")
+        for candidate in SLOTS[slot]:
+            lines.append(f"{indent}  {KERNEL_NAMES[candidate]} — {status(candidate).line()}")
+            if candidate in TRANSFORMERS_FUNCTIONS and avoid_transformers_kernel(candidate):
+                lines.append(f"{indent}    (Transformers calls {status(candidate).distribution} here; qwen35_accel's layers take torch instead)")
     return lines
 
 
-def run_summary(cuda: bool) -> str:
-    """The kernels a run takes, in a few words (the plugin's prepared line); on CUDA, warns
-    once for each kernel that falls back to torch (`warn_torch_fallback`)."""
-    if not cuda:
+def run_summary(device: Any) -> str:
+    """The kernels a run on `device` (a `torch.device`) takes, in a few words (the plugin's
+    prepared line); on CUDA, warns once for each kernel that falls back to torch."""
+    if not any(takes_kernel(p, device) for slot in SLOTS.values() for p in slot):
         return "torch (CPU run; FLA's and causal-conv1d's kernels are CUDA-only)"
     parts = []
-    for package, what, kernel in (("fla", "gated_delta", "rule"), ("causal_conv1d", "causal_conv", "conv")):
-        found = status(package)
-        if found.usable:
-            parts.append(f"{kernel} {found.distribution} {found.version}")
+    for slot, what in (("rule", "gated_delta"), ("conv", "causal_conv")):
+        package = _chosen(slot, device)
+        if package is not None:
+            found = status(package)
+            name = f"{found.distribution} {found.version}" + (" (Triton conv)" if package == "fla_conv" else "")
+            interpreted = " interpreted on CPU" if device.type == "cpu" else ""
+            parts.append(f"{slot} {name}{interpreted}")
         else:
-            parts.append(f"{kernel} torch ({found.distribution}: {found.reason})")
-            warn_torch_fallback(what)
+            parts.append(f"{slot} torch ({_why_torch(slot)})")
+            if device.type == "cuda":
+                warn_torch_fallback(what)
     return ", ".join(parts)
 
 
@@ -242,5 +325,6 @@ def reset() -> None:
     """Forget every probe's result (tests that put fake packages on sys.path)."""
     fla_status.cache_clear()
     conv_status.cache_clear()
+    fla_conv_status.cache_clear()
     transformers_uses.cache_clear()
     _warned.clear()

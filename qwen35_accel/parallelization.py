@@ -21,6 +21,7 @@ from .parallel.activation_checkpointing import (
     describe_checkpoint_targets,
     vision_tower_trains,
 )
+from .parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR, ActivationOffload
 from .parallel.context_parallel.state_exchange import EXCHANGES
 from .parallel.context_parallel.model import (
     check_context_parallel_supported,
@@ -76,6 +77,7 @@ class Qwen3_5ModelParallelizer:
         mp_policy: MixedPrecisionPolicy | None = None,
         offload_policy: OffloadPolicy | None = None,
         activation_checkpointing: bool = False,
+        activation_offload: bool = False,
         reshard_after_forward: bool | int | None = None,
         enable_fsdp2_prefetch: bool = True,
         fsdp2_backward_prefetch_depth: int = 2,
@@ -94,7 +96,9 @@ class Qwen3_5ModelParallelizer:
         Steps: fp32 gate holders (`install_fp32_gate`), TP (tp > 1: head-parallel
         `apply_tensor_parallel` on the `tp` dim; build the optimizer afterwards), activation
         checkpointing per decoder layer and, when the vision tower trains, per vision block
-        (`checkpoint_targets`), dtype-uniform FSDP2 units (`apply_fsdp_sharding`)
+        (`checkpoint_targets`; with `activation_offload` their saved inputs live in host memory
+        between forward and backward, `parallel.activation_offload`: the model's
+        `_qwen35_activation_offload` counts what moved), dtype-uniform FSDP2 units (`apply_fsdp_sharding`)
         over `dp_shard_cp`, then CP (cp > 1: `install_context_parallel` on the `cp` dim;
         the model then expects each rank's part of the batch, see
         `qwen35_accel.context_parallel.shard_batch`).
@@ -149,8 +153,13 @@ class Qwen3_5ModelParallelizer:
                 apply_vocab_parallel_lm_head(base, dims.tp)
         if tiled_loss != "off":  # before FSDP2, whose class swap then subclasses this one
             install_tiled_loss(base, mode=tiled_loss)
+        if activation_offload and not activation_checkpointing:
+            raise ValueError("activation_offload=True moves what checkpointed layers keep to host memory: it needs activation_checkpointing=True")
         if activation_checkpointing:
-            apply_activation_checkpointing(checkpoint_targets(parts))
+            offload = ActivationOffload() if activation_offload else None
+            apply_activation_checkpointing(checkpoint_targets(parts), offload)
+            if offload is not None:
+                setattr(model, ACTIVATION_OFFLOAD_ATTR, offload)
         self.apply_fsdp_sharding(
             model,
             fsdp_mesh,
@@ -175,7 +184,8 @@ class Qwen3_5ModelParallelizer:
             type(model).__name__,
             fsdp_mesh,
             converted,
-            describe_checkpoint_targets(parts) if activation_checkpointing else "off",
+            (describe_checkpoint_targets(parts) + (", saved inputs in host memory" if activation_offload else ""))
+            if activation_checkpointing else "off",
             cp_size,
             tp_size,
             tiled_loss_mode(base),

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_world
-from _parity import assert_close, full
+from _parity import assert_close, assert_grads_match, full
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,6 +39,46 @@ def _ac_worker(rank: int, world: int) -> None:
 
 def test_activation_checkpointing_on_and_off_give_same_loss_and_grads():
     run_world(_ac_worker, 2)
+
+
+def _offload_worker(rank: int, world: int) -> None:
+    """cp 2, checkpointing with offload: the loss and every gradient equal one process's, and on
+    every rank each checkpointed layer's saved inputs went through the offload hooks (the
+    hidden states of this rank's chunk at least; with `always_copy`, each through a copy)."""
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
+
+    mesh = init_device_mesh("cpu", (1, 1, world, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    reference = build_tiny_causal_lm(seed=0)
+    batch = random_batch(2, 32, reference.config.vocab_size, seed=7)
+    want = reference(**batch).loss
+    want.backward()
+    model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh, activation_checkpointing=True, activation_offload=True)
+    offload = getattr(model, ACTIVATION_OFFLOAD_ATTR)
+    config = model.config
+    local = shard_batch(batch, mesh["cp"])
+    hidden_bytes = local["input_ids"].numel() * config.hidden_size * 4  # one layer's input hidden states, fp32
+    for always_copy in (False, True):
+        offload.always_copy, offload.stats = always_copy, type(offload.stats)()
+        model.zero_grad(set_to_none=True)
+        loss = model(**local).loss
+        stats = offload.stats
+        assert stats.bytes >= config.num_hidden_layers * hidden_bytes, (rank, stats)
+        assert stats.moved_tensors == (stats.tensors if always_copy else 0), (rank, stats)
+        packed = stats.tensors
+        loss.backward()
+        assert offload.stats.tensors == packed  # the recompute kept nothing through them
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.AVG)
+        assert_close(total, want.detach(), f"loss (always_copy={always_copy})")
+        assert assert_grads_match(model, reference) == sum(1 for _ in reference.parameters())
+
+
+def test_activation_offload_under_cp_equals_one_process_and_holds_every_layers_inputs():
+    run_world(_offload_worker, 2)
 
 
 def _tower_saved(model, pixels: torch.Tensor, grid: torch.Tensor) -> tuple[int, int, dict[str, torch.Tensor]]:
@@ -136,7 +176,7 @@ def test_prepared_line_names_the_vision_blocks_and_no_block_is_checkpointed_twic
 
     model = build_tiny_vlm(seed=0)
     model.activation_checkpointing_enable()
-    line = _one_activation_checkpointing(model, True)
+    line, _, offload = _one_activation_checkpointing(model, True)
     assert line.startswith("qwen35_accel's (each decoder layer and vision block; Transformers' gradient checkpointing was on "
                            "too and is turned off on them, so nothing is checkpointed twice)"), line
     assert not any(m.gradient_checkpointing for m in (*model.model.language_model.layers, *model.model.visual.blocks))
@@ -144,9 +184,41 @@ def test_prepared_line_names_the_vision_blocks_and_no_block_is_checkpointed_twic
     frozen = build_tiny_vlm(seed=0)
     frozen.model.visual.requires_grad_(False)
     frozen.activation_checkpointing_enable()
-    line = _one_activation_checkpointing(frozen, True)
+    line, _, offload = _one_activation_checkpointing(frozen, True)
     assert line == ("qwen35_accel's (each decoder layer, not the frozen vision tower, which keeps no activations; Transformers' "
                     "gradient checkpointing was on too and is turned off on them, so nothing is checkpointed twice; "
                     "Transformers' gradient checkpointing on 2 vision blocks)"), line
     assert all(block.gradient_checkpointing for block in frozen.model.visual.blocks)
-    assert _one_activation_checkpointing(build_tiny_vlm(seed=0), True) == "qwen35_accel's (each decoder layer and vision block)"
+    assert _one_activation_checkpointing(build_tiny_vlm(seed=0), True) == ("qwen35_accel's (each decoder layer and vision block)", True, False)
+    assert not offload
+
+
+def test_neither_offload_switch_is_dropped():
+    """Accelerate's `fsdp_activation_checkpointing_offload` turns ours on; Transformers' `offload=True`
+    (`gradient_checkpointing_kwargs`) carries over to ours where ours replaces Transformers'
+    checkpointing, ours takes Transformers' over where it covers every decoder layer, and it stays
+    Transformers' (its `save_on_cpu`) where it covers only some (`every_n_layers`)."""
+    from qwen35_accel.integrations.preparation import _one_activation_checkpointing
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
+
+    line, ours, offload = _one_activation_checkpointing(build_tiny_causal_lm(seed=0), True, accelerate_offload=True)
+    assert ours and offload and line == ("qwen35_accel's (each decoder layer; their saved inputs in host memory "
+                                         "(Accelerate's fsdp_activation_checkpointing_offload))"), line
+    for plugin_ac in (True, False):
+        model = build_tiny_causal_lm(seed=0)
+        model.activation_checkpointing_enable(offload=True)
+        line, ours, offload = _one_activation_checkpointing(model, plugin_ac)
+        assert ours and offload and "their saved inputs in host memory (Transformers' offload)" in line, line
+        assert ("is turned off on them" if plugin_ac else "in place of Transformers' gradient checkpointing with offload") in line
+        assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+    model = build_tiny_causal_lm(seed=0, num_hidden_layers=4)
+    model.activation_checkpointing_enable(offload=True, every_n_layers=2)
+    assert _one_activation_checkpointing(model, False) == (
+        "Transformers' gradient checkpointing (2 of 4 decoder layers; saved inputs in host memory (Transformers' offload))",
+        False, False)
+    model = build_tiny_causal_lm(seed=0)
+    model.activation_checkpointing_enable()  # without offload: nothing claims host memory
+    assert _one_activation_checkpointing(model, False) == ("Transformers' gradient checkpointing (3 of 3 decoder layers)", False, False)
+    assert _one_activation_checkpointing(model, True)[1:] == (True, False)
+
+

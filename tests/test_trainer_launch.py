@@ -66,6 +66,14 @@ register(**{
                                            env=SHARDED if kind == "SHARDED_STATE_DICT" else {})
        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")},
     "trainer/cp2": recipe_run("cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *FIXED_LENGTH, *SGD),
+    # Activation offload, each switch a user has: Accelerate's (the config's fsdp_activation_checkpointing[_offload],
+    # here through the FSDP plugin's environment) and Transformers' (the Trainer's checkpointing kwargs).
+    "trainer/cp2-offload-accelerate": recipe_run(
+        "cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *FIXED_LENGTH, *SGD,
+        env={"FSDP_ACTIVATION_CHECKPOINTING": "true", "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"}),
+    "trainer/cp2-offload-transformers": recipe_run(
+        "cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *FIXED_LENGTH, *SGD, "--activation_checkpointing",
+        "--activation_checkpointing_kwargs", '{"offload": true}'),
     "trainer/dp2xcp2": recipe_run("cpu_fsdp2_dp2_cp2.yaml", "--per_device_train_batch_size", "2", *FIXED_LENGTH, *SGD),
     "trainer/dp2xtp2": recipe_run("cpu_fsdp2_tp2.yaml", "--per_device_train_batch_size", "2", *FIXED_LENGTH, *SGD),
     **{f"trainer/packed-{name}-{form}": recipe_run(config, "--per_device_train_batch_size", per_device, "--packing", *flags, *SGD)
@@ -143,7 +151,9 @@ def test_fsdp2_on_two_cpu_processes_matches_one_process_and_saves_a_loadable_che
 @pytest.mark.parametrize(
     "name,shows",
     [pytest.param(name, shows, marks=runs(REFERENCE, f"trainer/{name}"), id=name)
-     for name, shows in (("cp2", "cp=2"), ("dp2xcp2", "cp=2"), ("dp2xtp2", "tp=2"))],
+     for name, shows in (("cp2", "cp=2"), ("dp2xcp2", "cp=2"), ("dp2xtp2", "tp=2"),
+                         ("cp2-offload-accelerate", "in host memory (Accelerate's fsdp_activation_checkpointing_offload)"),
+                         ("cp2-offload-transformers", "in host memory (Transformers' offload)"))],
 )
 def test_context_and_tensor_parallel_launches_match_one_process(launched, name, shows):
     """Losses, grad norms, weights, and total_flos: the ranks of a cp or tp group hold one

@@ -187,14 +187,17 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         if hasattr(model, "tie_weights"):
             model.tie_weights()
 
-    checkpointing = _one_activation_checkpointing(model, bool(plugin.activation_checkpointing))
+    checkpointing, ours, activation_offload = _one_activation_checkpointing(
+        model, bool(plugin.activation_checkpointing), bool(getattr(plugin, "activation_checkpointing_offload", False))
+    )
     PARALLELIZER.apply(
         model,
         mesh,
         "dp_shard_cp",
         mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
         offload_policy=plugin.cpu_offload,
-        activation_checkpointing=bool(plugin.activation_checkpointing),
+        activation_checkpointing=ours,
+        activation_offload=activation_offload,
         reshard_after_forward=plugin.reshard_after_forward,
         enable_fsdp2_prefetch=settings.fsdp2_prefetch,
         fsdp2_backward_prefetch_depth=settings.fsdp2_backward_prefetch_depth,
@@ -257,7 +260,7 @@ def _loss_in_effect(model: nn.Module) -> str:
     return "Transformers' (whole logits)"
 
 
-def _one_activation_checkpointing(model: nn.Module, ours: bool) -> str:
+def _one_activation_checkpointing(model: nn.Module, ours: bool, accelerate_offload: bool = False) -> tuple[str, bool, bool]:
     """Which checkpointing the decoder layers and vision blocks get, for the prepared line;
     never two at once on one module.
 
@@ -272,6 +275,15 @@ def _one_activation_checkpointing(model: nn.Module, ours: bool) -> str:
     rule has it ("use FSDP's activation checkpointing when using FSDP"): it is the one the
     Accelerate config asked for, so the flags of the modules it checkpoints are turned off
     (a frozen tower's flagged blocks, which ours leaves alone, keep Transformers').
+
+    Offload (the saved inputs in host memory) is never dropped: ours offloads with Accelerate's
+    `fsdp_activation_checkpointing_offload` (`accelerate_offload`), or when Transformers'
+    checkpointing it replaces was enabled with `offload=True` (`gradient_checkpointing_kwargs`).
+    Transformers' checkpointing with offload on every decoder layer is taken over by ours with
+    offload (the same layers; copies without a host sync, where Transformers' `save_on_cpu` syncs
+    on every copy and cannot run on a CPU-only torch: "pin_memory=True requires a CUDA …"); on
+    only some layers (`every_n_layers`) it stays Transformers', offload included. Returns the
+    line's text, whether ours checkpoints and whether ours offloads.
     """
     from ..model.detect import qwen35_parts
     from ..parallel.activation_checkpointing import checkpoint_targets, describe_checkpoint_targets
@@ -280,25 +292,47 @@ def _one_activation_checkpointing(model: nn.Module, ours: bool) -> str:
     layers = parts.decoder_layers
     flagged = [layer for layer in layers if getattr(layer, "gradient_checkpointing", False) is True]
     blocks = [block for block in parts.vision_blocks if getattr(block, "gradient_checkpointing", False) is True]
-    if ours:
+    transformers_offload = any(_offloads(m) for m in (*flagged, *blocks))
+    taken_over = not ours and transformers_offload and len(flagged) == len(layers) > 0
+    if ours or taken_over:
         targets = checkpoint_targets(parts)
         turned_off = [m for m in (*flagged, *blocks) if any(m is t for t in targets)]
         others = [block for block in blocks if not any(block is t for t in targets)]
+        offload = accelerate_offload or any(_offloads(m) for m in turned_off)
         for module in turned_off:
             module.gradient_checkpointing = False
         also = f"; Transformers' gradient checkpointing on {len(others)} vision blocks" if others else ""
         what = describe_checkpoint_targets(parts)
+        if offload:
+            asked = [name for name, on in (("Accelerate's fsdp_activation_checkpointing_offload", accelerate_offload),
+                                           ("Transformers' offload", any(_offloads(m) for m in turned_off))) if on]
+            what += f"; their saved inputs in host memory ({' and '.join(asked)})"
+        if taken_over:
+            return f"qwen35_accel's ({what}; in place of Transformers' gradient checkpointing with offload{also})", True, offload
         if turned_off:
             return (
                 f"qwen35_accel's ({what}; Transformers' gradient checkpointing was on too and is turned off "
-                f"on them, so nothing is checkpointed twice{also})"
+                f"on them, so nothing is checkpointed twice{also})", True, offload
             )
-        return f"qwen35_accel's ({what}{also})"
+        return f"qwen35_accel's ({what}{also})", True, offload
     also = f"; Transformers' gradient checkpointing on {len(blocks)} vision blocks" if blocks else ""
+    held = "; saved inputs in host memory (Transformers' offload)" if transformers_offload else ""
     if flagged:
         named = f", {len(blocks)} vision blocks" if blocks else ""
-        return f"Transformers' gradient checkpointing ({len(flagged)} of {len(layers)} decoder layers{named})"
-    return f"none{also}"
+        return f"Transformers' gradient checkpointing ({len(flagged)} of {len(layers)} decoder layers{named}{held})", False, False
+    return f"none{also}{held if blocks else ''}", False, False
+
+
+def _offloads(module: nn.Module) -> bool:
+    """Whether Transformers' checkpointing of `module` keeps its saved inputs in host memory: its
+    checkpoint function (`_gradient_checkpointing_func`, a partial) runs under `save_on_cpu`, what
+    `activation_checkpointing_enable(offload=True)` (the Trainer's `gradient_checkpointing_kwargs=
+    {"offload": True}`) sets."""
+    function = getattr(module, "_gradient_checkpointing_func", None)
+    while isinstance(function, functools.partial):
+        function = function.func
+    code = getattr(function, "__code__", None)
+    return code is not None and "save_on_cpu" in code.co_names
 
 
 def fsdp2_prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:

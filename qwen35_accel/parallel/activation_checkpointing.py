@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 
 from ..model.detect import Qwen35Parts
+from .activation_offload import ActivationOffload
 
 
 def vision_tower_trains(parts: Qwen35Parts) -> bool:
@@ -38,20 +39,24 @@ def describe_checkpoint_targets(parts: Qwen35Parts) -> str:
     return "each decoder layer, not the frozen vision tower, which keeps no activations"
 
 
-def apply_activation_checkpointing(layers: Iterable[nn.Module]) -> int:
+def apply_activation_checkpointing(layers: Iterable[nn.Module], offload: ActivationOffload | None = None) -> int:
     """Recompute each layer's (or vision block's) activations in backward instead of storing them.
 
     Uses torch's composable `checkpoint` (non-reentrant, hooks on the module itself):
     parameter names and state-dict keys stay exactly the Transformers ones, unlike
     `checkpoint_wrapper`, which inserts `_checkpoint_wrapped_module` into every name.
     Apply before FSDP2 (`fully_shard` then sees the same modules). A training forward of
-    a checkpointed layer gets no cache. Returns the count.
+    a checkpointed layer gets no cache. With `offload`, the inputs each layer keeps for its
+    recompute live in host memory between forward and backward (`ActivationOffload`).
+    Returns the count.
     """
     count = 0
     for layer in layers:
         # Before checkpoint's own pre-hook, which keeps the kwargs for the recomputation.
         layer.register_forward_pre_hook(_no_cache_while_training, with_kwargs=True)
         checkpoint(layer)
+        if offload is not None:
+            offload.attach(layer)
         count += 1
     return count
 

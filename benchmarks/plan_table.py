@@ -64,8 +64,9 @@ def main() -> None:
     ]
     details = []
     for name, shape in _shapes(args.smoke).items():
-        for tiled, label in (("hold", "tiled, hold (default)"), ("recompute", "tiled, recompute"), ("off", "Transformers'")):
-            options = StepOptions(seq_len=STEP, activation_checkpointing=True, tiled_loss=tiled)
+        for tiled, offload, label in (("hold", False, "tiled, hold (default)"), ("recompute", False, "tiled, recompute"),
+                                      ("off", False, "Transformers'"), ("hold", True, "tiled, hold, activation offload")):
+            options = StepOptions(seq_len=STEP, activation_checkpointing=True, tiled_loss=tiled, activation_offload=offload)
             longest = {}
             for cp in cps:
                 parallel = Parallel(dp_shard=args.gpus // cp, cp=cp)

@@ -47,6 +47,8 @@ def _offload_worker(rank: int, world: int) -> None:
     hidden states of this rank's chunk at least; with `always_copy`, each through a copy)."""
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.memory import ModelShape, Parallel, StepOptions
+    from qwen35_accel.memory.layers import host_activations
     from qwen35_accel.parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
@@ -67,6 +69,11 @@ def _offload_worker(rank: int, world: int) -> None:
         loss = model(**local).loss
         stats = offload.stats
         assert stats.bytes >= config.num_hidden_layers * hidden_bytes, (rank, stats)
+        # What `plan` counts in host memory (the layers' input hidden states) against what went through
+        # the hooks (those, and each layer's rotary cos/sin and position ids): within 10 %.
+        planned = host_activations(ModelShape.from_config(config), Parallel(cp=world), StepOptions(
+            seq_len=32, batch_size=2, compute_bytes=4, device="cpu", activation_checkpointing=True, activation_offload=True))
+        assert abs(stats.bytes / planned - 1) <= 0.10, (rank, stats.bytes, planned)
         assert stats.moved_tensors == (stats.tensors if always_copy else 0), (rank, stats)
         packed = stats.tensors
         loss.backward()

@@ -118,6 +118,42 @@ def test_plan_27b_config_on_meta_adds_up_to_the_model(tmp_path):
     assert len(p["layers"]) == layers
 
 
+def test_plan_counts_activation_offload_and_suggests_it_a_million_tokens_of_27b_on_8_gpus(tmp_path):
+    """fsdp2_cp2.yaml at cp 8 (dp_shard 1) with checkpointing: 1,048,576 tokens per row of the 27B-like
+    shape do not fit 141 GB per GPU without offload (`--suggest` proposes it), and fit with
+    `fsdp_activation_checkpointing_offload`, every layer's input then in host memory."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    layers, hidden, seq = 64, 5120, 1 << 20
+    config = Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=hidden, intermediate_size=17408, num_hidden_layers=layers,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        tie_word_embeddings=False, dtype="bfloat16",
+    )
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    config.save_pretrained(tmp_path / "model")
+    yaml = (CONFIGS / "fsdp2_cp2.yaml").read_text().replace("parallelism_config_dp_shard_size: 4", "parallelism_config_dp_shard_size: 1")
+    yaml = yaml.replace("parallelism_config_cp_size: 2", "parallelism_config_cp_size: 8")
+    yaml = yaml.replace("fsdp_activation_checkpointing: false", "fsdp_activation_checkpointing: true")
+    plans = {}
+    for offload in (False, True):
+        path = tmp_path / f"cp8_offload_{offload}.yaml"
+        path.write_text(yaml.replace("fsdp_activation_checkpointing: true",
+                                     f"fsdp_activation_checkpointing: true\n  fsdp_activation_checkpointing_offload: {str(offload).lower()}"))
+        plans[offload] = cli("plan", "--model", str(tmp_path / "model"), "--config", str(path), "--seq-len", str(seq),
+                             "--gpu-memory", "141GB", "--suggest")
+    without, with_offload = plans[False], plans[True]
+    assert without["mesh"]["cp"] == 8 and not without["fits"]
+    assert without["suggested_offload"]["total"] <= 141e9
+    assert with_offload["fits"] and with_offload["memory_assumptions"]["activation_offload"]
+    host = layers * seq // 8 * hidden * 2  # every layer's input, this rank's chunk, bf16
+    assert with_offload["memory_per_rank"]["host_activations"] == host == with_offload["offload"]["host_bytes_per_rank"]
+    assert without["memory_per_rank"]["activations"] - with_offload["memory_per_rank"]["activations"] == host - 2 * host // layers
+    assert "suggested_offload" not in with_offload  # it fits as configured
+
+
 def test_plan_names_the_run_it_plans_and_backend_overrides_the_yaml():
     """The printed plan says which run it plans: a CPU YAML's (gloo, torch kernels), or with
     --backend the other one; the memory line counts that run's kernels."""

@@ -141,6 +141,19 @@ def layer_activations(shape: ModelShape, kind: str, parallel: Parallel, options:
     return mixer + _mlp(shape, tokens, c, parallel.tp) + _norms_and_residuals(shape, tokens)
 
 
+# With activation offload, the layer inputs on the device at once: the one being copied out (its
+# copy queued behind the layer that made it) and the one copied back for the recompute.
+OFFLOAD_IN_FLIGHT = 2
+
+
+def host_activations(shape: ModelShape, parallel: Parallel, options: StepOptions) -> int:
+    """Bytes of host memory a rank holds with activation offload: every checkpointed layer's
+    input hidden states (0 without offload)."""
+    if not options.activation_offload:
+        return 0
+    return shape.layers * options.batch_size * options.seq_len // parallel.cp * shape.hidden * options.compute_bytes
+
+
 def activations(shape: ModelShape, parallel: Parallel, options: StepOptions) -> int:
     """Bytes the decoder keeps for backward on a rank (the loss path apart)."""
     tokens = options.batch_size * options.seq_len // parallel.cp
@@ -149,7 +162,8 @@ def activations(shape: ModelShape, parallel: Parallel, options: StepOptions) -> 
     if shape.full_layers:
         outside += 2 * tokens * shape.rotary_dim * c  # cos and sin, shared by the attention layers
     if options.activation_checkpointing:  # what each checkpoint holds: the layer's input, the positions
-        return outside + shape.layers * tokens * shape.hidden * c + 8 * tokens
+        held = OFFLOAD_IN_FLIGHT if options.activation_offload else shape.layers
+        return outside + held * tokens * shape.hidden * c + 8 * tokens
     return outside + sum(
         count * layer_activations(shape, kind, parallel, options)
         for kind, count in (("linear_attention", shape.linear_layers), ("full_attention", shape.full_layers))

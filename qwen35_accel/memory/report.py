@@ -67,6 +67,11 @@ def longest_seq_len(
     return low * step
 
 
+# The host link assumed for activation offload's transfer time, per GPU and direction: PCIe Gen4 x16
+# as measured in practice (~25 GB/s; Gen5 and NVLink-C2C hosts are faster).
+HOST_LINK_BYTES_PER_S = 25e9
+
+
 def _replace(options: StepOptions, **changes: Any) -> StepOptions:
     return StepOptions(**{**asdict(options), **changes})
 
@@ -90,6 +95,16 @@ def memory_report(
         report.update(gpu_memory_bytes=gpu_bytes, fits=per_rank["total"] <= gpu_bytes, margin_bytes=gpu_bytes - per_rank["total"])
         if suggest:
             report["suggested_cp"] = suggest_cp(shape, parallel, options, gpu_bytes, vision)
+            if per_rank["total"] > gpu_bytes and not options.activation_offload:
+                # Offload where the run as configured does not fit: checkpointing with its inputs on the host.
+                offloaded = step_estimate(shape, parallel, _replace(options, activation_checkpointing=True,
+                                                                    activation_offload=True), vision).as_dict()
+                report["suggested_offload"] = offloaded if offloaded["total"] <= gpu_bytes else None
+    if options.activation_offload:
+        per_layer = options.batch_size * options.seq_len // parallel.cp * shape.hidden * options.compute_bytes
+        report["offload"] = {"host_bytes_per_rank": per_rank["host_activations"], "bytes_per_layer": per_layer,
+                             "host_link_bytes_per_s": HOST_LINK_BYTES_PER_S,
+                             "seconds_per_layer_each_way": per_layer / HOST_LINK_BYTES_PER_S}
     return report
 
 
@@ -100,14 +115,20 @@ def describe(report: dict[str, Any], gpus: int) -> list[str]:
     kernels = "FLA/causal-conv1d" if o["fla"] and o["device"] == "cuda" else "torch"
     lines = [
         f"memory per rank (seq_len {o['seq_len']}, batch {o['batch_size']}, {o['optimizer']}, "
-        f"checkpointing {'on' if o['activation_checkpointing'] else 'off'}, {loss}, {kernels} GatedDeltaNet kernels):",
+        f"checkpointing {'on' if o['activation_checkpointing'] else 'off'}"
+        f"{' with offload' if o.get('activation_offload') else ''}, {loss}, {kernels} GatedDeltaNet kernels):",
         "  " + ", ".join(f"{key} {_gib(value)}" for key, value in m.items()
-                         if key != "total" and (key != "reference_parameters" or o.get("reference_model"))),
+                         if key not in ("total", "host_activations") and (key != "reference_parameters" or o.get("reference_model"))),
         f"  total {_gib(m['total'])}",
     ]
     if o.get("reference_model"):
         lines.insert(2, f"  reference model (--ref-model): a frozen copy in the policy's FSDP2 units, in the checkpoint's dtype, "
                         f"{_gib(m['reference_parameters'])}; no gradients, optimizer state or saved activations (no_grad forwards)")
+    if "offload" in report:
+        off = report["offload"]
+        lines.append(f"  activation offload: {_gib(off['host_bytes_per_rank'])} of host memory per rank (times the ranks of "
+                     f"a node: host memory is per node), {_gib(off['bytes_per_layer'])} per layer each way, "
+                     f"{off['seconds_per_layer_each_way'] * 1e3:.1f} ms at an assumed {off['host_link_bytes_per_s'] / 1e9:.0f} GB/s host link")
     if "fits" in report:
         margin, budget = report["margin_bytes"], _gib(report["gpu_memory_bytes"])
         lines.append(f"  fits in {budget}: {_gib(margin)} to spare" if report["fits"]
@@ -118,6 +139,10 @@ def describe(report: dict[str, Any], gpus: int) -> list[str]:
             f"  suggested: cp {cp} with activation checkpointing (the smallest that fits; dp_shard takes the rest of the {gpus} GPUs)" if cp
             else f"  suggested: none: no cp on {gpus} GPUs fits, even with activation checkpointing"
         )
+    if report.get("suggested_offload"):
+        s = report["suggested_offload"]
+        lines.append(f"  suggested: activation offload (fsdp_activation_checkpointing and fsdp_activation_checkpointing_offload: "
+                     f"true) at this mesh: total {_gib(s['total'])} on the device, {_gib(s['host_activations'])} of host memory per rank")
     return lines
 
 

@@ -127,7 +127,8 @@ class StepOptions:
     name (True is "hold", False "off"); `reference_model`: the run also holds a frozen copy of
     the model (TRL's `ref_model` of DPO/KTO, of GRPO/RLOO with `beta` > 0), prepared as the
     policy is (see `estimate`); `reference_bytes`: its storage dtype's size, the checkpoint's as
-    loaded (the plugin keeps a frozen model's dtype: 2 for a bf16 checkpoint under any policy)."""
+    loaded (the plugin keeps a frozen model's dtype: 2 for a bf16 checkpoint under any policy);
+    `activation_offload` (with checkpointing): the checkpointed layers' inputs in host memory."""
 
     seq_len: int
     batch_size: int = 1
@@ -135,6 +136,7 @@ class StepOptions:
     param_bytes: int = 4
     optimizer: str = "adamw"
     activation_checkpointing: bool = False
+    activation_offload: bool = False
     tiled_loss: bool | str = "hold"
     loss_tile_bytes: int = DEFAULT_LOSS_TILE_BYTES
     forward_prefetch_depth: int = 1
@@ -153,14 +155,17 @@ class StepOptions:
             raise ValueError(f"tiled_loss {self.tiled_loss!r} is not one of off, {', '.join(LOSS_MODES)}; pass one of them")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}; pass one of them")
+        if self.activation_offload and not self.activation_checkpointing:
+            raise ValueError("activation_offload moves what checkpointed layers keep: it needs activation_checkpointing")
         if self.seq_len < 1 or self.batch_size < 1:
             raise ValueError(f"seq_len {self.seq_len}, batch_size {self.batch_size}: both must be at least 1")
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank (the most loaded rank); `total` is their sum. `reference_parameters`: a
-    frozen reference model's parameter shards (0 without one)."""
+    """Bytes per rank (the most loaded rank); `total` is their sum, on the device. `reference_parameters`: a
+    frozen reference model's parameter shards (0 without one). `host_activations`: with activation
+    offload, the checkpointed layers' inputs in host memory (not in `total`)."""
 
     parameters: int
     gradients: int
@@ -169,6 +174,7 @@ class MemoryEstimate:
     loss: int
     transient: int
     reference_parameters: int = 0
+    host_activations: int = 0
 
     @property
     def total(self) -> int:

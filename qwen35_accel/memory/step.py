@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from .layers import activations, layer_activations
+from .layers import activations, host_activations, layer_activations
 from .loss import loss_saved, loss_transient
 from .shapes import OPTIMIZER_STATES, MemoryEstimate, ModelShape, Parallel, StepOptions
 from .vision import VisionTower, vision_estimate
@@ -79,6 +79,7 @@ def estimate(shape: ModelShape, parallel: Parallel, options: StepOptions) -> Mem
         loss=loss,
         transient=gathered + max([at_loss] + [peak - loss for peak in others]),
         reference_parameters=params * options.reference_bytes if options.reference_model else 0,
+        host_activations=host_activations(shape, parallel, options),
     )
 
 

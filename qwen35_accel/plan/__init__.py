@@ -75,6 +75,7 @@ def plan(
     mixed = str(cluster.mixed_precision or "no").lower()
     fsdp = cluster.fsdp_config or {}
     checkpointing = bool(fsdp.get("fsdp_activation_checkpointing"))
+    offload = checkpointing and bool(fsdp.get("fsdp_activation_checkpointing_offload"))
     net_config = model_config(model)
     if seq_len % (2 * sizes["cp"]):
         raise PlanError(f"--seq-len {seq_len} is not divisible by 2*cp = {2 * sizes['cp']}; pass a multiple of it")
@@ -96,7 +97,7 @@ def plan(
             tower = vision_report(parts.vision_model, units, vision_rows, shards, settings.frozen_multimodal_sharding)
         memory, tower_step = step_memory(
             net_config, sizes, precision, run, settings, seq_len=seq_len, batch_size=batch_size, optimizer=optimizer,
-            activation_checkpointing=checkpointing, vision_tower=vision_tower, image_tokens=image_tokens,
+            activation_checkpointing=checkpointing, activation_offload=offload, vision_tower=vision_tower, image_tokens=image_tokens,
             gpu_memory=gpu_memory, suggest=suggest, reference_model=reference_model,
         )
         if tower is not None and tower_step is not None:

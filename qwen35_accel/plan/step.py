@@ -22,6 +22,7 @@ class Precision:
 def step_memory(
     model_config: Any, sizes: dict[str, int], precision: Precision, run: PlannedRun, settings: Any, *,
     seq_len: int, batch_size: int, optimizer: str, activation_checkpointing: bool, vision_tower: str, image_tokens: int,
+    activation_offload: bool = False,
     gpu_memory: int | None, suggest: bool, reference_model: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(`memory_report`'s keys for `plan --json`, the vision tower's step figures for its
@@ -34,6 +35,7 @@ def step_memory(
         step = StepOptions(
             seq_len=seq_len, batch_size=batch_size, compute_bytes=precision.compute, optimizer=optimizer,
             param_bytes=precision.param, activation_checkpointing=activation_checkpointing, tiled_loss=settings.tiled_loss,
+            activation_offload=activation_offload,
             forward_prefetch_depth=settings.fsdp2_forward_prefetch_depth if prefetch else 0,
             backward_prefetch_depth=settings.fsdp2_backward_prefetch_depth if prefetch else 0,
             device=run.device,  # type: ignore[arg-type]

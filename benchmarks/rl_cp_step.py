@@ -113,6 +113,7 @@ def _worker(rank: int, world: int, args: dict[str, Any], shape: dict[str, Any], 
     import torch.distributed as dist
 
     from qwen35_accel.parallel.context_parallel.model import context_parallel_paused
+    from qwen35_accel.parallel.gathered_generation import units_gathered
     from qwen35_accel.testing.saved_tensors import saved_bytes_by_part
 
     prompt, completion = args["prompt"], args["completion"]
@@ -147,17 +148,26 @@ def _worker(rank: int, world: int, args: dict[str, Any], shape: dict[str, Any], 
     prompts = {"input_ids": inputs["prompt_ids"], "attention_mask": inputs["prompt_mask"]}
     settings = {"max_new_tokens": args["new_tokens"], "min_new_tokens": args["new_tokens"], "do_sample": True,
                 "pad_token_id": 0, "synced_gpus": True}
-    gen_times, gen_cpu = [], []
-    for _ in range(2):  # the first warms up
-        dist.barrier()
-        start, cpu_start = time.perf_counter(), time.process_time()
-        with torch.no_grad(), context_parallel_paused(model):
-            torch.manual_seed(7)
-            ids = model.generate(**prompts, **settings)
-        gen_times.append(time.perf_counter() - start)
-        gen_cpu.append(time.process_time() - cpu_start)
+    # Side by side: FSDP2 gathering the units per forward (before), and once per call (`units_gathered`, what the
+    # sampling integration does now where they fit).
+    generation = {}
+    for mode in ("per_forward", "gathered"):
+        gen_times, gen_cpu = [], []
+        for _ in range(2):  # the first warms up
+            dist.barrier()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            gathered = units_gathered(model, torch.device("cpu")) if mode == "gathered" else contextlib.nullcontext()
+            with torch.no_grad(), context_parallel_paused(model), gathered:
+                torch.manual_seed(7)
+                ids = model.generate(**prompts, **settings)
+            gen_times.append(time.perf_counter() - start)
+            gen_cpu.append(time.process_time() - cpu_start)
+        generation[mode] = (gen_times[-1], gen_cpu[-1], ids[:, prompt:].tolist())
+    assert generation["gathered"][2] == generation["per_forward"][2], "gathering once changed the sampled tokens"
     result = {"rank": rank, "times": times, "cpu": cpu, "loss": loss, "logp": logp, "grad_norm": grad_norm, "saved": saved,
-              "generate_s": gen_times[-1], "generate_cpu_s": gen_cpu[-1], "generated": ids[:, prompt:].tolist()}
+              "generate_s": generation["per_forward"][0], "generate_cpu_s": generation["per_forward"][1],
+              "generate_gathered_s": generation["gathered"][0], "generate_gathered_cpu_s": generation["gathered"][1],
+              "generated": generation["gathered"][2]}
     _report.write_gathered(result, world, rank, out_path)
 
 
@@ -206,6 +216,7 @@ def main() -> None:
     cpu = {cp: statistics.median(max(cs) for rd in rounds for cs in zip(*(res["cpu"] for res in rd[cp]))) for cp in configs}
     gen = {cp: statistics.median(max(res["generate_s"] for res in rd[cp]) for rd in rounds) for cp in configs}
     gen_cpu = {cp: statistics.median(max(res["generate_cpu_s"] for res in rd[cp]) for rd in rounds) for cp in configs}
+    gathered_cpu = {cp: statistics.median(max(res["generate_gathered_cpu_s"] for res in rd[cp]) for rd in rounds) for cp in configs}
     saved = {cp: rounds[0][cp] for cp in configs}
     total = {cp: max(r["saved"]["decoder"] + r["saved"]["head"] for r in saved[cp]) for cp in configs}
     ratio = total[2] / total[1]
@@ -243,6 +254,9 @@ def main() -> None:
         f"generates the whole rows, FSDP2 gathering its units each token). CPU time per rank (busiest rank): "
         f"{gen_cpu[2] / gen_cpu[1]:.3f} ({gen_cpu[2]:.2f} s vs {gen_cpu[1]:.2f} s). Sampled tokens identical in every world: "
         f"{'yes' if same_tokens else 'NO'}.",
+        f"**The same generation with the units gathered once per call (`units_gathered`), CPU time per rank, cp 2 / cp 1 "
+        f"(per forward): {gathered_cpu[2] / gen_cpu[1]:.3f}** ({gathered_cpu[2]:.2f} s vs {gen_cpu[1]:.2f} s; cp 1 gathered "
+        f"{gathered_cpu[1]:.2f} s); the same tokens as per forward on every rank (asserted).",
     ]
     utilisation = {cp: statistics.median(c / t for rd in rounds for res in rd[cp] for c, t in zip(res["cpu"], res["times"]))
                    for cp in configs}

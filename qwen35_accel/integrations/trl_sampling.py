@@ -22,7 +22,8 @@ replica they are, the one a `dp N` run without cp/tp would have at that index:
   CP paused (`context_parallel_paused`): every rank generates the whole sequences with a
   cache, FSDP2 gathering its units as in any data-parallel generation; the group's ranks draw
   the same tokens (same seed, same prompts, the same logits). The group generates its prompts
-  once per rank: its wall time is one replica's.
+  once per rank: its wall time is one replica's. The units are gathered once per call where
+  they fit (`parallel.gathered_generation`), else per forward.
 - The training forwards (policy, old policy, reference) are TRL's fused head on whole rows,
   sharded by `trl_whole_rows` (left-padded prompts moved to the layout CP takes).
 """
@@ -155,15 +156,17 @@ def trl_replica_view(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def trl_generate_without_cp(original: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper of a sampling trainer's `_generate_single_turn`: the model's CP paused for
-    the generation (whole sequences and a cache on every rank)."""
+    the generation (whole sequences and a cache on every rank), its FSDP2 units gathered once
+    for the call where they fit (`units_gathered`), not once per new token."""
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _applies(self) is None:
             return original(self, *args, **kwargs)
         from ..parallel.context_parallel.model import context_parallel_paused
+        from ..parallel.gathered_generation import units_gathered
 
-        with context_parallel_paused(self.model_wrapped):
+        with context_parallel_paused(self.model_wrapped), units_gathered(self.model_wrapped, self.accelerator.device):
             return original(self, *args, **kwargs)
 
     return wrapper

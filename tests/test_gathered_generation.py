@@ -1,0 +1,88 @@
+"""Generation with the FSDP2 units gathered once per `generate` call
+(`qwen35_accel.parallel.gathered_generation`): the same tokens and logits as FSDP2's per-forward
+gathering, a unit's all-gathers once per call instead of once per new token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_world
+from _parity import assert_close
+
+pytestmark = pytest.mark.multiprocess
+
+NEW_TOKENS = 6
+
+
+def _counting_all_gathers(counts: list[int]):
+    """Wrap torch.distributed's all-gather entry points FSDP2 calls (by the name each torch has) to count calls."""
+    originals = {name: getattr(dist, name) for name in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, name)}
+
+    def wrap(function):
+        def counted(*args, **kwargs):
+            counts.append(1)
+            return function(*args, **kwargs)
+        return counted
+
+    for name, function in originals.items():
+        setattr(dist, name, wrap(function))
+    return originals
+
+
+def _generation_worker(rank: int, world: int, cp: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.parallel.context_parallel.model import context_parallel_paused
+    from qwen35_accel.parallel.gathered_generation import units_gathered
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
+
+    mesh = init_device_mesh("cpu", (1, world // cp, cp, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh)
+    prompt = torch.randint(1, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    results, gathers = {}, {}
+    for gathered in (True, False, True):  # gathered first: before any forward (the root's lazy init), and again after
+        counts: list[int] = []
+        originals = _counting_all_gathers(counts)
+        try:
+            with torch.no_grad(), context_parallel_paused(model), (units_gathered(model, torch.device("cpu"))
+                                                                    if gathered else torch.enable_grad()) as took:
+                out = model.generate(prompt, **settings)
+        finally:
+            for name, function in originals.items():
+                setattr(dist, name, function)
+        if gathered:
+            assert took is True
+        results[gathered], gathers[gathered] = out, len(counts)
+    assert torch.equal(results[True].sequences, results[False].sequences)
+    for a, b in zip(results[True].logits, results[False].logits):
+        assert_close(a, b, "logits", rtol=0, atol=0)  # the same gathered parameters compute every forward
+    # Gathered: at most one all-gather per unit for the whole call; per forward: those of every unit that
+    # reshards after forward, in each of the NEW_TOKENS forwards (the prompt's, then one per cached step).
+    units = sum(1 for m in model.modules() if hasattr(m, "unshard"))
+    assert 0 < gathers[True] <= units and gathers[False] >= NEW_TOKENS * gathers[True], (gathers, units)
+    # Back to training: the units resharded and their settings restored, a training step is bitwise the one a
+    # model that never generated takes.
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.testing.tiny import random_batch
+
+    batch = random_batch(2, 16, model.config.vocab_size, seed=5)
+    local = shard_batch(batch, mesh["cp"]) if cp > 1 else batch
+    fresh = PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh)
+    losses = []
+    for m in (model, fresh):
+        loss = m(**local).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p.grad.to_local(), q.grad.to_local()), name
+
+
+@pytest.mark.parametrize("cp", [2, 1], ids=["cp2", "fsdp2"])
+def test_generation_gathers_each_unit_once_and_draws_the_same_tokens(cp):
+    run_world(_generation_worker, 2, cp)

@@ -15,13 +15,19 @@ Data records need ``prompt`` and ``completion`` text fields; the loss is taken o
 completion (and the eos after it) only.
 """
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
-from datasets import Dataset, load_dataset
+
+try:
+    from datasets import load_dataset
+except ImportError:  # a plain `pip install .` (no `recipes` extra): the bundled data set still loads, as a list
+    load_dataset = None
+
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -184,8 +190,16 @@ def tokenize_example(
 
 def build_dataset(
     script_args: ScriptArguments, training_args: TrainingArguments, tokenizer: PreTrainedTokenizerBase
-) -> Dataset:
-    """Load and tokenize the training split."""
+) -> Any:
+    """Load and tokenize the training split: a `datasets.Dataset`, or without `datasets` installed
+    (the bundled data set only) a list of the same tokenized examples."""
+    if load_dataset is None:
+        if script_args.dataset_name is not None:
+            raise ImportError(f"--dataset_name {script_args.dataset_name} needs the datasets package: pip install datasets "
+                              "(or this project's recipes extra)")
+        rows = [json.loads(line) for line in TINY_DATA.read_text().splitlines() if line.strip()]
+        examples = [tokenize_example(row, tokenizer, script_args.max_seq_length) for row in rows]
+        return [ex for ex in examples if any(label != IGNORE_INDEX for label in ex["labels"])]
     if script_args.dataset_name is None:
         raw = load_dataset("json", data_files=str(TINY_DATA), split="train")
     else:

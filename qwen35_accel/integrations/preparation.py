@@ -298,14 +298,15 @@ def _one_activation_checkpointing(model: nn.Module, ours: bool, accelerate_offlo
         targets = checkpoint_targets(parts)
         turned_off = [m for m in (*flagged, *blocks) if any(m is t for t in targets)]
         others = [block for block in blocks if not any(block is t for t in targets)]
-        offload = accelerate_offload or any(_offloads(m) for m in turned_off)
+        carried = any(_offloads(m) for m in turned_off)  # Transformers' offload on what ours now checkpoints
+        offload = accelerate_offload or carried
         for module in turned_off:
             module.gradient_checkpointing = False
         also = f"; Transformers' gradient checkpointing on {len(others)} vision blocks" if others else ""
         what = describe_checkpoint_targets(parts)
         if offload:
             asked = [name for name, on in (("Accelerate's fsdp_activation_checkpointing_offload", accelerate_offload),
-                                           ("Transformers' offload", any(_offloads(m) for m in turned_off))) if on]
+                                           ("Transformers' offload", carried)) if on]
             what += f"; their saved inputs in host memory ({' and '.join(asked)})"
         if taken_over:
             return f"qwen35_accel's ({what}; in place of Transformers' gradient checkpointing with offload{also})", True, offload

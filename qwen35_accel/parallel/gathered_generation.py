@@ -37,15 +37,15 @@ def _units(model: nn.Module) -> list[FSDPModule]:
 
 def unsharding_bytes(model: nn.Module) -> int:
     """Bytes the unsharding of `model`'s FSDP2 units adds on this rank: each parameter's
-    unsharded size in its unit's `param_dtype` (FSDP2's all-gather dtype), less nothing (the
-    shards stay allocated)."""
+    unsharded size in its unit's `param_dtype` (FSDP2's all-gather dtype); the shards stay
+    allocated beside them."""
     total = 0
     for unit in _units(model):
         state = unit._get_fsdp_state()
         for group in state._fsdp_param_groups:
             for fsdp_param in group.fsdp_params:
                 dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
-                total += fsdp_param._orig_size.numel() * torch.empty((), dtype=dtype).element_size()
+                total += fsdp_param._orig_size.numel() * dtype.itemsize
     return total
 
 

@@ -74,10 +74,14 @@ def _offload_worker(rank: int, world: int) -> None:
         planned = host_activations(ModelShape.from_config(config), Parallel(cp=world), StepOptions(
             seq_len=32, batch_size=2, compute_bytes=4, device="cpu", activation_checkpointing=True, activation_offload=True))
         assert abs(stats.bytes / planned - 1) <= 0.10, (rank, stats.bytes, planned)
-        assert stats.moved_tensors == (stats.tensors if always_copy else 0), (rank, stats)
+        assert stats.moved_tensors + stats.deduplicated_tensors == (stats.tensors if always_copy else 0), (rank, stats)
+        assert stats.prefetched_tensors == 0  # backward has not started
         packed = stats.tensors
         loss.backward()
         assert offload.stats.tensors == packed  # the recompute kept nothing through them
+        if always_copy:  # every layer's input but the last layer's (the first backward needs) copied back ahead
+            assert offload.stats.prefetched_tensors + offload.stats.unprefetched_tensors == stats.moved_tensors + stats.deduplicated_tensors
+            assert offload.stats.prefetched_tensors >= config.num_hidden_layers - 1, (rank, offload.stats)
         total = loss.detach().clone()
         torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.AVG)
         assert_close(total, want.detach(), f"loss (always_copy={always_copy})")
@@ -229,3 +233,101 @@ def test_neither_offload_switch_is_dropped():
     assert _one_activation_checkpointing(model, True)[1:] == (True, False)
 
 
+
+
+def test_offload_prefetches_the_layer_before_while_backward_unpacks_a_layer():
+    """One process, the copy path on CPU (`always_copy`): when backward unpacks layer i's saved
+    input (its recompute starts) the offload copies layer i-1's back ahead of time, each
+    prefetched tensor is handed over once (only the last layer's input, the first unpacked,
+    is copied back on demand), nothing of a step outlives its graph, and the loss and every
+    gradient are bitwise those of checkpointing without offload."""
+    import weakref
+
+    from qwen35_accel.model.detect import qwen35_parts
+    from qwen35_accel.parallel.activation_checkpointing import apply_activation_checkpointing
+    from qwen35_accel.parallel.activation_offload import ActivationOffload
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
+
+    layers = 4
+    results = {}
+    for offload in (None, ActivationOffload(always_copy=True, record_order=True)):
+        model = build_tiny_causal_lm(seed=0, num_hidden_layers=layers)
+        apply_activation_checkpointing(qwen35_parts(model).decoder_layers, offload)
+        loss = model(**random_batch(2, 32, model.config.vocab_size, seed=7)).loss
+        if offload is not None:
+            last_call = weakref.ref(offload._last())
+            stats = offload.stats
+            hidden = 2 * 32 * model.config.hidden_size * 4  # one layer's input hidden states, fp32
+            assert (stats.moved_tensors, stats.moved_bytes, stats.order) == (layers, layers * hidden, []), stats
+        loss.backward()
+        results[offload is not None] = loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+        del loss
+    assert last_call() is None  # the layer calls' groups lived as long as the graph, not longer
+    assert stats.order == [("unpack", 3), ("prefetch", 2), ("unpack", 2), ("prefetch", 1), ("unpack", 1),
+                           ("prefetch", 0), ("unpack", 0)], stats.order
+    assert (stats.prefetched_tensors, stats.prefetched_bytes, stats.unprefetched_tensors) == (layers - 1, (layers - 1) * hidden, 1), stats
+    (loss_off, grads_off), (loss_on, grads_on) = results[False], results[True]
+    assert torch.equal(loss_on, loss_off)
+    for name, grad in grads_off.items():
+        assert torch.equal(grads_on[name], grad), name  # the same recompute from the same inputs: the same bits
+
+
+def test_offload_copies_a_tensor_saved_by_several_layers_to_the_host_once():
+    """A tensor object that several checkpointed layers of one forward save (as positional
+    arguments: Transformers 5.24 passes its rotary cos/sin by keyword, which the checkpoint keeps
+    in its recompute closure instead) is copied to the host once; modified in place between two
+    layers, it is copied again, and each layer's recompute gets the value it was called with;
+    a second unpack (backward through a retained graph) copies back again, with the same result."""
+    from torch import nn
+
+    from qwen35_accel.parallel.activation_checkpointing import apply_activation_checkpointing
+    from qwen35_accel.parallel.activation_offload import ActivationOffload
+
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(super().forward(x)) * scale
+
+    torch.manual_seed(0)
+    width = 16
+    layers = nn.ModuleList(Scaled(width, width) for _ in range(4))
+    x, scale = torch.randn(8, width), torch.rand(8, width) + 0.5
+    # The reference: the same layers unchecked, chained, the scale doubled after the second layer.
+    y = x
+    for layer, s in zip(layers, (scale, scale, scale * 2, scale * 2)):
+        y = layer(y, s)
+    y.square().sum().backward()
+    grads_want = [p.grad.clone() for p in layers.parameters()]
+    layers.zero_grad(set_to_none=True)
+
+    offload = ActivationOffload(always_copy=True)
+    apply_activation_checkpointing(layers, offload)
+    shared = scale.clone()
+    y = x
+    for i, layer in enumerate(layers):
+        if i == 2:
+            shared.mul_(2)  # a new version: the host copy of before is not this tensor's value any more
+        y = layer(y, shared)
+    stats = offload.stats
+    nbytes = scale.numel() * 4
+    # Saved: each layer's input and the shared scale; the scale's copy reused by layers 1 and 3.
+    assert (stats.tensors, stats.moved_tensors, stats.deduplicated_tensors, stats.deduplicated_bytes) == (8, 6, 2, 2 * nbytes), stats
+    y.square().sum().backward()
+    for got, want_grad in zip(layers.parameters(), grads_want):
+        assert torch.equal(got.grad, want_grad)
+
+
+def test_offload_unpacks_a_group_out_of_order_or_twice():
+    """Unpacked in another order than backward's, or again, a saved input is copied back on
+    demand from its host copy (no prefetch of a group already unpacked), the same values."""
+    from qwen35_accel.parallel.activation_offload import ActivationOffload, _LayerCall
+
+    offload = ActivationOffload(always_copy=True, record_order=True)
+    first = _LayerCall(0, None)
+    second = _LayerCall(1, first)
+    inputs = torch.randn(4, 8), torch.randn(4, 8)
+    packed = offload.pack(first, inputs[0]), offload.pack(second, inputs[1])
+    for index in (0, 1, 1, 0):  # the layer before first, then each again
+        assert torch.equal(offload.unpack(packed[index]), inputs[index])
+    stats = offload.stats
+    assert (stats.moved_tensors, stats.prefetched_tensors, stats.unprefetched_tensors) == (2, 0, 4), stats
+    assert stats.order == [("unpack", 0), ("unpack", 1)], stats.order

@@ -9,16 +9,34 @@ checkpoint's own (which keeps nothing of the layer's inside), so only the inputs
 saves pass through it: what Accelerate's `fsdp_activation_checkpointing_offload` and
 Transformers' `gradient_checkpointing_kwargs={"offload": True}` ask for.
 
-Copies are `non_blocking` on the current stream in both directions: no host synchronisation, and
-stream order keeps them correct (the device memory a saved input leaves is reused only by work
-queued after its copy; the copy back precedes the recompute that reads it; torch's pinned-memory
-allocator keeps a buffer until the copies using it are done). Tensors already on the host (CPU
-runs) stay where they are: the same code runs, nothing moves, results are exact.
+On a device with streams (CUDA, XPU: `torch.get_device_module(device).Stream`) the copies run on
+one side stream per device, so they overlap the layers' compute and the host never waits:
+- to the host: the side stream waits on an event recorded on the current stream (the saved
+  input is complete), copies into a pinned buffer, and the input is `record_stream`ed on the side
+  stream, so the allocator does not hand its memory out again before the copy has read it;
+- back: the saved inputs of one layer call form a group, linked to the call before it in the same
+  forward (a weak reference: a group lives exactly as long as autograd holds its saved tensors).
+  When backward unpacks layer i's group (its recompute starts), layer i-1's group is copied back on
+  the side stream (prefetched), overlapping layer i's recompute and backward; unpacking a
+  prefetched tensor makes the current stream wait on its copy's event and records the tensor on
+  the current stream (allocated on the side stream, it is used and freed on the current one). The
+  group drops each prefetched tensor as it hands it over. The last layer's group (the first that
+  backward unpacks), a group unpacked again or out of order, is copied back on the current stream
+  after its copy to the host (waited on by event): correct in any order.
+- A tensor object saved by several layer calls of one forward (the rotary cos/sin that
+  Transformers passes to every layer) is copied to the host once: matched by identity (a weak
+  reference to it, so a reused `id` never matches) and by `_version` (not modified in place since).
+On CPU (`always_copy`: tests and benchmarks) and on devices without streams the same bookkeeping
+runs with plain copies on the current stream. Tensors already on the host (CPU runs) otherwise
+stay where they are: the same code runs, nothing moves, results are exact. The side-stream path
+needs a GPU: the tests here run the CPU path (the same groups, prefetch order and dedupe).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import weakref
 from typing import Any
 
 import torch
@@ -30,13 +48,49 @@ ACTIVATION_OFFLOAD_ATTR = "_qwen35_activation_offload"  # on the model: its `Act
 
 @dataclasses.dataclass
 class OffloadStats:
-    """What went through the hooks since the last `reset()`: saved tensors and their bytes,
-    and how many of those were moved to host memory (0 on CPU runs)."""
+    """What went through the hooks since the last `reset()`: saved tensors and their bytes; of
+    those, how many were copied to host memory (0 on CPU runs without `always_copy`) and how many
+    reused the host copy of the same tensor saved by an earlier layer call (`deduplicated_*`); in
+    backward, how many were copied back ahead of their layer's recompute (`prefetched_*`) and how
+    many when unpacked (`unprefetched_tensors`: the first group backward unpacks, a second unpack).
+    `order`: with `ActivationOffload(record_order=True)`, ("unpack" | "prefetch", the layer call's
+    index in its forward) as backward did them; None otherwise."""
 
     tensors: int = 0
     bytes: int = 0
     moved_tensors: int = 0
     moved_bytes: int = 0
+    deduplicated_tensors: int = 0
+    deduplicated_bytes: int = 0
+    prefetched_tensors: int = 0
+    prefetched_bytes: int = 0
+    unprefetched_tensors: int = 0
+    order: list[tuple[str, int]] | None = None
+
+
+class _HostCopy:
+    """One saved tensor in host memory: `host`, the `device` it returns to, and `copied`, the side
+    stream's event after the copy (None: a copy on the current stream, ordered by it)."""
+
+    __slots__ = ("host", "device", "copied", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, copied: Any) -> None:
+        self.host, self.device, self.copied = host, device, copied
+
+
+class _LayerCall:
+    """The saved inputs of one checkpointed layer's call (`copies`, in the order the forward
+    saved them), the call before it in the same forward (`previous`, a weak reference) and what
+    backward copied back ahead of the recompute (`prefetched`: position -> (tensor, event))."""
+
+    __slots__ = ("index", "previous", "copies", "prefetched", "unpacked", "__weakref__")
+
+    def __init__(self, index: int, previous: _LayerCall | None) -> None:
+        self.index = index
+        self.previous = weakref.ref(previous) if previous is not None else None
+        self.copies: list[_HostCopy] = []
+        self.prefetched: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.unpacked = False
 
 
 class ActivationOffload:
@@ -44,37 +98,24 @@ class ActivationOffload:
 
     `attach(layer)` after `checkpoint(layer)`: a forward pre-hook enters the hooks (before the
     checkpoint's pre-hook, which saves the layer's inputs), a forward hook leaves them (after the
-    checkpoint's). Training forwards only (grad enabled); never during the recompute.
+    checkpoint's). Training forwards only (grad enabled); never during the recompute. A forward is
+    the layer calls until a layer is called again (which starts the next forward's chain).
     """
 
-    def __init__(self, pin_memory: bool = True, always_copy: bool = False) -> None:
+    def __init__(self, pin_memory: bool = True, always_copy: bool = False, record_order: bool = False) -> None:
         self.pin_memory = pin_memory
         self.always_copy = always_copy  # tests: copy host tensors too, so the copy path runs on CPU
-        self.stats = OffloadStats()
+        self.record_order = record_order  # tests: `stats.order`
+        self.reset()
         self._entered: dict[int, list[Any]] = {}
+        self._streams: dict[torch.device, Any] = {}  # the side stream per device
+        self._chain: set[int] = set()  # the layers called so far in this forward
+        self._last: weakref.ref | None = None  # this forward's latest layer call (autograd keeps it alive, not we)
+        # id(tensor) -> (weak reference to it, its _version, weak reference to its host copy): this forward's copies
+        self._copies: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
 
     def reset(self) -> None:
-        self.stats = OffloadStats()
-
-    def pack(self, tensor: torch.Tensor) -> Any:
-        nbytes = tensor.numel() * tensor.element_size()
-        self.stats.tensors += 1
-        self.stats.bytes += nbytes
-        if tensor.device.type == "meta" or (tensor.device.type == "cpu" and not self.always_copy):
-            return tensor
-        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout,
-                           pin_memory=self.pin_memory and torch.cuda.is_available())
-        host.copy_(tensor, non_blocking=True)
-        self.stats.moved_tensors += 1
-        self.stats.moved_bytes += nbytes
-        return tensor.device, host
-
-    @staticmethod
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        device, host = packed
-        return host.to(device, non_blocking=True)
+        self.stats = OffloadStats(order=[] if self.record_order else None)
 
     def attach(self, layer: nn.Module) -> None:
         """Offload what `checkpoint(layer)` saves (call after `checkpoint(layer)`)."""
@@ -86,7 +127,16 @@ class ActivationOffload:
     def _enter(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
         if not (torch.is_grad_enabled() and checkpoint.state(layer).enable_hook):
             return  # no autograd graph, or the checkpoint's recompute: nothing to keep
-        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        if id(layer) in self._chain:  # called again: a new forward, linked to nothing of the last
+            self._chain.clear()
+            self._last = None
+            self._copies.clear()
+        self._chain.add(id(layer))
+        # Host copies of tensors gone (or whose groups are gone) can match nothing any more.
+        self._copies = {key: entry for key, entry in self._copies.items() if entry[0]() is not None and entry[2]() is not None}
+        call = _LayerCall(len(self._chain) - 1, self._last() if self._last is not None else None)
+        self._last = weakref.ref(call)
+        hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self.pack, call), self.unpack)
         hooks.__enter__()
         self._entered.setdefault(id(layer), []).append(hooks)
 
@@ -94,3 +144,100 @@ class ActivationOffload:
         stack = self._entered.get(id(layer))
         if stack:
             stack.pop().__exit__(None, None, None)
+
+    def _side_stream(self, device: torch.device) -> Any:
+        """The side stream of `device`, created on first use; None for the host (CPU, meta) and
+        for devices without streams."""
+        if device.type in ("cpu", "meta"):
+            return None
+        if device not in self._streams:
+            module = torch.get_device_module(device)
+            self._streams[device] = module.Stream(device=device) if hasattr(module, "Stream") else None
+        return self._streams[device]
+
+    def pack(self, call: _LayerCall, tensor: torch.Tensor) -> Any:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.stats.tensors += 1
+        self.stats.bytes += nbytes
+        if tensor.device.type == "meta" or (tensor.device.type == "cpu" and not self.always_copy):
+            return tensor
+        call.copies.append(self._host_copy(tensor, nbytes))
+        return call, len(call.copies) - 1
+
+    def _host_copy(self, tensor: torch.Tensor, nbytes: int) -> _HostCopy:
+        """`tensor`'s host copy: the one an earlier layer call of this forward made of the same
+        tensor, unchanged since, or a new one."""
+        known = self._copies.get(id(tensor))
+        if known is not None:
+            source, version, copy = known[0](), known[1], known[2]()
+            if source is tensor and tensor._version == version and copy is not None:
+                self.stats.deduplicated_tensors += 1
+                self.stats.deduplicated_bytes += nbytes
+                return copy
+        copy = self._copy_out(tensor)
+        self._copies[id(tensor)] = (weakref.ref(tensor), tensor._version, weakref.ref(copy))
+        self.stats.moved_tensors += 1
+        self.stats.moved_bytes += nbytes
+        return copy
+
+    def _copy_out(self, tensor: torch.Tensor) -> _HostCopy:
+        device = tensor.device
+        stream = self._side_stream(device)
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout,
+                           pin_memory=self.pin_memory and stream is not None)
+        if stream is None:  # the host, or a device without streams: on the current stream, in its order
+            host.copy_(tensor, non_blocking=device.type != "cpu")
+            return _HostCopy(host, device, None)
+        module = torch.get_device_module(device)
+        stream.wait_event(module.current_stream(device).record_event())  # the saved input is complete
+        with module.stream(stream):
+            host.copy_(tensor, non_blocking=True)
+            copied = stream.record_event()
+        tensor.record_stream(stream)  # its memory is not reused before the copy has read it
+        return _HostCopy(host, device, copied)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        call, position = packed
+        if not call.unpacked:  # the recompute of this layer starts: fetch the layer before it meanwhile
+            call.unpacked = True
+            self._record("unpack", call.index)
+            previous = call.previous() if call.previous is not None else None
+            if previous is not None and not previous.unpacked and not previous.prefetched:
+                self._prefetch(previous)
+        fetched = call.prefetched.pop(position, None)  # handed over once: the group keeps no device copy
+        if fetched is None:
+            self.stats.unprefetched_tensors += 1
+            return self._copy_back(call.copies[position])
+        tensor, ready = fetched
+        if ready is not None:
+            current = torch.get_device_module(tensor.device).current_stream(tensor.device)
+            current.wait_event(ready)
+            tensor.record_stream(current)  # allocated on the side stream, used and freed on this one
+        return tensor
+
+    def _prefetch(self, call: _LayerCall) -> None:
+        """Copy `call`'s saved inputs back on the side stream (each with its event)."""
+        self._record("prefetch", call.index)
+        for position, copy in enumerate(call.copies):
+            stream = self._side_stream(copy.device)
+            if stream is None:
+                call.prefetched[position] = (self._copy_back(copy), None)
+            else:
+                with torch.get_device_module(copy.device).stream(stream):  # after the copy out: same stream
+                    tensor = copy.host.to(copy.device, non_blocking=True)
+                    call.prefetched[position] = (tensor, stream.record_event())
+            self.stats.prefetched_tensors += 1
+            self.stats.prefetched_bytes += copy.host.numel() * copy.host.element_size()
+
+    @staticmethod
+    def _copy_back(copy: _HostCopy) -> torch.Tensor:
+        """`copy` back to its device on the current stream, after its copy to the host."""
+        if copy.copied is not None:
+            torch.get_device_module(copy.device).current_stream(copy.device).wait_event(copy.copied)
+        return copy.host.to(copy.device, non_blocking=copy.device.type != "cpu", copy=True)
+
+    def _record(self, what: str, index: int) -> None:
+        if self.stats.order is not None:
+            self.stats.order.append((what, index))

@@ -152,6 +152,10 @@ def test_plan_counts_activation_offload_and_suggests_it_a_million_tokens_of_27b_
     assert with_offload["memory_per_rank"]["host_activations"] == host == with_offload["offload"]["host_bytes_per_rank"]
     assert without["memory_per_rank"]["activations"] - with_offload["memory_per_rank"]["activations"] == host - 2 * host // layers
     assert "suggested_offload" not in with_offload  # it fits as configured
+    # Each layer's input copies (1.25 GiB at 25 GB/s: 54 ms each way) hide behind the compute the plan assumes.
+    off = with_offload["offload"]
+    assert off["seconds_per_layer_each_way"] == host // layers / 25e9 and off["copy_to_host_hidden"] and off["copy_back_hidden"]
+    assert off["forward_seconds_per_layer"]["linear_attention"] > 3 * off["seconds_per_layer_each_way"]
 
 
 def test_plan_names_the_run_it_plans_and_backend_overrides_the_yaml():

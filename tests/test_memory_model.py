@@ -28,8 +28,10 @@ from qwen35_accel.memory import (
     ModelShape,
     Parallel,
     StepOptions,
+    describe,
     estimate,
     loss_tile_tokens,
+    memory_report,
     parse_bytes,
     suggest_cp,
 )
@@ -309,6 +311,45 @@ def test_suggested_cp_is_the_smallest_that_fits():
                           "reference_parameters", "host_activations", "total"]
     assert keys["total"] == sum(v for k, v in keys.items() if k not in ("total", "host_activations"))  # the device's
 
+
+
+def test_a_layers_forward_flops_are_its_matmuls_and_its_sequence_mixers_counted_by_hand():
+    """`layer_forward_flops` on a shape small enough to count by hand (cp 2: 32 of 64 tokens per rank)."""
+    from qwen35_accel.memory import layer_forward_flops
+
+    shape = ModelShape(hidden=8, intermediate=16, vocab=32, linear_layers=1, full_layers=1, heads=2, kv_heads=1, head_dim=4,
+                       rotary_dim=4, k_heads=1, v_heads=2, k_dim=4, v_dim=4, conv_kernel=4)
+    options, tokens = StepOptions(seq_len=64), 32
+    mlp = 3 * 8 * 16
+    # GatedDeltaNet: in_proj_qkv (conv_dim 2·4 + 2·4 = 16) 16·8, z 8·8, b and a 2·2·8, conv taps 16·4, gate holder 2·2, out_proj 8·8.
+    linear = mlp + 16 * 8 + 8 * 8 + 2 * 2 * 8 + 16 * 4 + 2 * 2 + 8 * 8
+    chunk_rule = 2 * (4 * 64 * (4 + 4) + 6 * 4 * 4)  # 2 value heads: in-chunk products, the state's reads and update
+    assert layer_forward_flops(shape, "linear_attention", Parallel(cp=2), options) == tokens * (2 * linear + chunk_rule) == 184576
+    # Attention: q_proj (query and gate) 2·8·8, k and v 2·4·8, o_proj 8·8; causal Q·Kᵀ and P·V over seq / 2 keys on average.
+    attention = mlp + 2 * 8 * 8 + 2 * 4 * 8 + 8 * 8
+    scores = 2 * 2 * (64 // 2) * 4 * 2  # 2 products x 2 FLOPs per multiply-add x seq / 2 keys x head_dim x 2 heads
+    assert layer_forward_flops(shape, "full_attention", Parallel(cp=2), options) == tokens * (2 * attention + scores) == 73728
+    # tp 2 halves every term (the heads and the MLP are split).
+    assert layer_forward_flops(shape, "full_attention", Parallel(cp=2, tp=2), options) == 73728 // 2
+
+
+def test_offload_copies_are_hidden_when_the_compute_they_overlap_takes_longer():
+    """The copy to the host overlaps the forward of the layer reading that input, the copy back the
+    recompute and backward (3 forwards) of the layer above: hidden or not against the cheaper kind."""
+    from qwen35_accel.memory import offload_timing
+
+    shape = ModelShape(hidden=8, intermediate=16, vocab=32, linear_layers=1, full_layers=1, heads=2, kv_heads=1, head_dim=4,
+                       rotary_dim=4, k_heads=1, v_heads=2, k_dim=4, v_dim=4, conv_kernel=4)
+    options = StepOptions(seq_len=64, activation_checkpointing=True, activation_offload=True)  # bf16: 32 tokens x 8 x 2 bytes
+    # 73728 FLOPs per second: the attention layer's forward (the cheaper kind) takes 1 s.
+    for link, to_host, back in ((1024, True, True), (204.8, False, True), (128, False, False)):  # 0.5 s, 2.5 s, 4 s
+        timing = offload_timing(shape, Parallel(cp=2), options, host_link_bytes_per_s=link, device_flops_per_s=73728 * 2, mfu=0.5)
+        assert timing["bytes_per_layer"] == 512 and timing["seconds_per_layer_each_way"] == 512 / link
+        assert timing["forward_seconds_per_layer"] == {"linear_attention": 184576 / 73728, "full_attention": 1.0}
+        assert (timing["copy_to_host_hidden"], timing["copy_back_hidden"]) == (to_host, back), (link, timing)
+    lines = describe(memory_report(shape, Parallel(cp=2), options), gpus=2)
+    assert any(line.startswith("  offload against compute: a layer's forward ") and "989 TFLOP/s dense peak (H100/H200) x 40% MFU" in line
+               and "copy to the host NOT hidden" in line for line in lines), lines  # 512 bytes take longer than 74 kFLOPs
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
     root = Path(__file__).resolve().parents[1]

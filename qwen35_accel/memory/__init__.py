@@ -36,14 +36,16 @@ Transformers' torch conv; with FLA on CUDA, FLA's `chunk_gated_delta_rule` and c
 from what their autograd functions save (not measured here: no GPU).
 
 Modules: `shapes` (what it reads and answers), `layers` (the decoder's activations),
-`loss` (the loss path), `vision` (a VLM's tower), `step` (a step's estimate), `report`
-(what `plan` prints and suggests). The public names are re-exported here.
+`loss` (the loss path), `vision` (a VLM's tower), `step` (a step's estimate), `offload`
+(activation offload's copy time per layer against the layer's compute, a stated FLOPs model),
+`report` (what `plan` prints and suggests). The public names are re-exported here.
 """
 
 from __future__ import annotations
 
 from .layers import activations, fla_gated_delta_rule, layer_activations, torch_gated_delta_rule
 from .loss import loss_saved, loss_tile_tokens, loss_transient
+from .offload import layer_forward_flops, offload_timing
 from .report import describe, describe_vision, longest_seq_len, memory_report, parse_bytes, suggest_cp
 from .shapes import CHUNK, DEFAULT_LOSS_TILE_BYTES, OPTIMIZERS, Device, MemoryEstimate, ModelShape, Parallel, StepOptions
 from .step import estimate, step_estimate
@@ -52,7 +54,7 @@ from .vision import VISION_FROZEN_SHARDINGS, VisionShape, VisionTower, vision_ac
 __all__ = [
     "CHUNK", "DEFAULT_LOSS_TILE_BYTES", "OPTIMIZERS", "VISION_FROZEN_SHARDINGS", "Device", "MemoryEstimate", "ModelShape",
     "Parallel", "StepOptions", "VisionShape", "VisionTower", "activations", "describe", "describe_vision", "estimate",
-    "fla_gated_delta_rule", "layer_activations", "longest_seq_len", "loss_saved", "loss_tile_tokens", "loss_transient",
-    "memory_report", "parse_bytes", "step_estimate", "suggest_cp", "torch_gated_delta_rule", "vision_activations",
+    "fla_gated_delta_rule", "layer_activations", "layer_forward_flops", "longest_seq_len", "loss_saved", "loss_tile_tokens", "loss_transient",
+    "memory_report", "offload_timing", "parse_bytes", "step_estimate", "suggest_cp", "torch_gated_delta_rule", "vision_activations",
     "vision_estimate",
 ]

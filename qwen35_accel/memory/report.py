@@ -9,6 +9,7 @@ import re
 from dataclasses import asdict
 from typing import Any
 
+from .offload import RECOMPUTE_AND_BACKWARD, offload_timing
 from .shapes import Parallel, StepOptions
 from .step import step_estimate
 from .vision import VisionTower
@@ -67,11 +68,6 @@ def longest_seq_len(
     return low * step
 
 
-# The host link assumed for activation offload's transfer time, per GPU and direction: PCIe Gen4 x16
-# as measured in practice (~25 GB/s; Gen5 and NVLink-C2C hosts are faster).
-HOST_LINK_BYTES_PER_S = 25e9
-
-
 def _replace(options: StepOptions, **changes: Any) -> StepOptions:
     return StepOptions(**{**asdict(options), **changes})
 
@@ -100,11 +96,8 @@ def memory_report(
                 offloaded = step_estimate(shape, parallel, _replace(options, activation_checkpointing=True,
                                                                     activation_offload=True), vision).as_dict()
                 report["suggested_offload"] = offloaded if offloaded["total"] <= gpu_bytes else None
-    if options.activation_offload:
-        per_layer = options.batch_size * options.seq_len // parallel.cp * shape.hidden * options.compute_bytes
-        report["offload"] = {"host_bytes_per_rank": per_rank["host_activations"], "bytes_per_layer": per_layer,
-                             "host_link_bytes_per_s": HOST_LINK_BYTES_PER_S,
-                             "seconds_per_layer_each_way": per_layer / HOST_LINK_BYTES_PER_S}
+    if options.activation_offload:  # host bytes, and the copies' time per layer against its compute
+        report["offload"] = {"host_bytes_per_rank": per_rank["host_activations"], **offload_timing(shape, parallel, options)}
     return report
 
 
@@ -129,6 +122,13 @@ def describe(report: dict[str, Any], gpus: int) -> list[str]:
         lines.append(f"  activation offload: {_gib(off['host_bytes_per_rank'])} of host memory per rank (times the ranks of "
                      f"a node: host memory is per node), {_gib(off['bytes_per_layer'])} per layer each way, "
                      f"{off['seconds_per_layer_each_way'] * 1e3:.1f} ms at an assumed {off['host_link_bytes_per_s'] / 1e9:.0f} GB/s host link")
+        names = {"linear_attention": "GatedDeltaNet", "full_attention": "attention"}
+        forward = " / ".join(f"{t * 1e3:.1f} ms ({names[kind]})" for kind, t in off["forward_seconds_per_layer"].items())
+        lines.append(f"  offload against compute: a layer's forward {forward} at an assumed {off['device_flops_per_s'] / 1e12:.0f} "
+                     f"TFLOP/s dense peak (H100/H200) x {off['assumed_mfu']:.0%} MFU; the copy to the host "
+                     f"{'hidden' if off['copy_to_host_hidden'] else 'NOT hidden'} behind that layer's forward, the copy back "
+                     f"{'hidden' if off['copy_back_hidden'] else 'NOT hidden'} behind the recompute and backward of the layer "
+                     f"above it (~{RECOMPUTE_AND_BACKWARD}x a forward)")
     if "fits" in report:
         margin, budget = report["margin_bytes"], _gib(report["gpu_memory_bytes"])
         lines.append(f"  fits in {budget}: {_gib(margin)} to spare" if report["fits"]

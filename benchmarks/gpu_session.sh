@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements still owed (FLA inside CP, the GPU step with plan's predicted memory beside
-# the measured peak, the loss path's time and memory at Qwen3.5's vocabulary) in one device call,
+# the measured peak, the loss path's time and memory at Qwen3.5's vocabulary; activation offload's
+# peak and step time in `offload`) in one device call,
 # sized for a 15-minute device budget (about 2 minutes of it to start the machine): a preflight,
 # then the checks, most important first, their own timeouts adding up to 545 s under one 600 s command.
 #
@@ -8,6 +9,8 @@
 #   bash benchmarks/gpu_session.sh hopper  # there, first: carry [".whl-hopper"], timeout_s 120 (tilelang, ~30 s)
 #   bash benchmarks/gpu_session.sh run     # there, AT ONCE after `hopper` (a machine stays warm 30 s): carry [".whl"], timeout_s 590
 #   bash benchmarks/gpu_session.sh run2    # there, only if device time is left: the 9B step, 1 GiB loss tiles, TF32 vs ieee
+#   bash benchmarks/gpu_session.sh offload # there, only if device time is left: carry [".whl"], timeout_s 300: activation
+#                                          # offload on/off at 32k and 64k tokens, peak memory and step time (~4 min)
 #
 # The GPU image (see the device tool's KINDS.md) has torch 2.11 (supported), Transformers 5.17
 # (qwen35_accel needs 5.24), Triton 3.6 and no flash-linear-attention: `.whl` carries
@@ -21,7 +24,8 @@
 # call before `run`, installing into the same /tmp/site. Without it (a cold machine) the
 # preflight says FLA's backward would raise and qwen35_accel takes the torch kernels (reported).
 # causal-conv1d publishes no wheels and compiles for minutes, so the conv kernels stay
-# unmeasured. Results go to $OUT (preflight.log, cuda_check.json, gpu_step.md, loss_memory_cuda_bf16.md, the logs);
+# unmeasured. Results go to $OUT (preflight.log, cuda_check.json, gpu_step.md, loss_memory_cuda_bf16.md,
+# offload_step_cuda.md, the logs);
 # copy them into benchmarks/results/ and quote them in docs/measurements.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -111,8 +115,20 @@ run2)
         --checks tf32_summaries --out "$OUT/ieee" > "$OUT/tf32_ieee.log" 2>&1 || echo "tf32 (ieee) exited $?"
     grep tf32_summaries "$OUT/tf32_ieee.log" | head -8
     ;;
+offload)
+    OUT=${OUT:-$PWD/gpu_session_out}
+    mkdir -p "$OUT"
+    install "$WHEELS"
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+    # Activation offload's side stream and prefetch (issue 39): checkpointing with and without offload,
+    # one process, 8 layers of 2B-like width, bf16, at 32k and 64k tokens: peak above the model
+    # (max_memory_allocated), saved bytes on the device, step time.
+    timeout 270 python3 benchmarks/offload_step.py --device cuda --seqs 32768 65536 --rounds 2 --warmup 1 --steps 3 \
+        --timeout 120 --results-dir "$OUT" > "$OUT/offload_step.log" 2>&1 || echo "offload_step exited $?"
+    grep -E '^\||\*\*' "$OUT/offload_step.log" || tail -c 3000 "$OUT/offload_step.log"
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh fetch|hopper|run|run2" >&2
+    echo "usage: bash benchmarks/gpu_session.sh fetch|hopper|run|run2|offload" >&2
     exit 2
     ;;
 esac

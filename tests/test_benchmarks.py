@@ -272,3 +272,16 @@ def test_rl_cp_step_smoke_reports_saved_bytes_step_and_generation_at_cp1_and_cp2
     for column, decimals in ((-2, 1e-4), (-1, 1e-6)):
         values = [float(r[column]) for r in rows]
         assert max(values) - min(values) <= 1e-5 * max(abs(v) for v in values) + decimals, stdout
+
+
+def test_offload_step_smoke_reports_saved_bytes_and_step_time_with_and_without_offload():
+    stdout = _smoke("offload_step.py")
+    saved = _bold_ratio(stdout, "Saved bytes on the device per rank (decoder), offload / no offload")
+    assert 0 < saved < 0.8, stdout  # the layers' inputs left the device (tiny shapes: the embedding's part weighs more)
+    step = _bold_ratio(stdout, "Step time, offload / no offload (medians, slowest rank)")
+    assert math.isfinite(step) and step > 0, stdout
+    rows = [r for r in _table_rows(stdout, "| seq | variant | rank |") if r[2] in ("0", "1")]
+    assert [(r[1], r[2]) for r in rows] == [("checkpointing", "0"), ("checkpointing", "1"),
+                                           ("checkpointing + offload", "0"), ("checkpointing + offload", "1")], stdout
+    assert all(float(r[4]) > 0 and int(r[5]) == 3 for r in rows[2:]), stdout  # in host memory; 3 of 4 layers prefetched
+    assert len({r[-1] for r in rows}) == 1, stdout  # the same loss to the printed decimals: offload copies exactly

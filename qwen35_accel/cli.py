@@ -21,7 +21,7 @@ import json
 import sys
 
 from .env import env, print_env
-from .plan import VISION_TOWER_CHOICES, PlanError, memory_options, plan, print_plan
+from .plan import VISION_TOWER_CHOICES, PlanError, host_memory_option, memory_options, plan, print_plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--optimizer", default="adamw",
                         help="adamw (default), sgd or none: state per parameter, AdamW two moments, SGD one momentum buffer")
     p_plan.add_argument("--gpu-memory", help="memory per GPU, e.g. 141GB, 139.8GiB, 80000MB: says whether the step fits")
+    p_plan.add_argument("--host-memory", help="host memory per node, e.g. 2TB: with activation offload, says whether the "
+                        "node's ranks' offloaded layer inputs fit (pinned, so resident)")
     p_plan.add_argument("--suggest", action="store_true",
                         help="with --gpu-memory: the smallest cp (activation checkpointing on) that fits on the config's GPUs")
     p_plan.add_argument("--vision-tower", choices=VISION_TOWER_CHOICES,
@@ -60,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         try:
             gpu_memory = memory_options(args.gpu_memory, args.batch_size, args.optimizer, args.suggest)
+            host_memory = host_memory_option(args.host_memory)
             result = plan(args.model, args.config, args.seq_len, args.backend, batch_size=args.batch_size,
-                          optimizer=args.optimizer, gpu_memory=gpu_memory, suggest=args.suggest,
+                          optimizer=args.optimizer, gpu_memory=gpu_memory, host_memory=host_memory, suggest=args.suggest,
                           vision_tower=args.vision_tower, image_tokens=args.image_tokens, reference_model=args.ref_model)
         except PlanError as error:
             print(f"qwen35-accel plan: {error}", file=sys.stderr)

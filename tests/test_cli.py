@@ -143,7 +143,7 @@ def test_plan_counts_activation_offload_and_suggests_it_a_million_tokens_of_27b_
         path.write_text(yaml.replace("fsdp_activation_checkpointing: true",
                                      f"fsdp_activation_checkpointing: true\n  fsdp_activation_checkpointing_offload: {str(offload).lower()}"))
         plans[offload] = cli("plan", "--model", str(tmp_path / "model"), "--config", str(path), "--seq-len", str(seq),
-                             "--gpu-memory", "141GB", "--suggest")
+                             "--gpu-memory", "141GB", "--suggest", "--host-memory", "1TB")
     without, with_offload = plans[False], plans[True]
     assert without["mesh"]["cp"] == 8 and not without["fits"]
     assert without["suggested_offload"]["total"] <= 141e9
@@ -156,6 +156,23 @@ def test_plan_counts_activation_offload_and_suggests_it_a_million_tokens_of_27b_
     off = with_offload["offload"]
     assert off["seconds_per_layer_each_way"] == host // layers / 25e9 and off["copy_to_host_hidden"] and off["copy_back_hidden"]
     assert off["forward_seconds_per_layer"]["linear_attention"] > 3 * off["seconds_per_layer_each_way"]
+    # Host memory is per node: the 8 ranks of the one machine hold 8 x 80 GiB, within 80 % of 1 TB.
+    assert (off["ranks_per_node"], off["host_bytes_per_node"], off["host_fits"]) == (8, 8 * host, True)
+    assert "offload" not in without
+
+
+def test_plan_host_memory_per_node_counts_the_ranks_of_a_node_and_refuses_a_bad_size():
+    from qwen35_accel.plan import HOST_MEMORY_SHARE, PlanError, host_memory_option, host_per_node
+
+    per_rank = 100 * 2**30
+    two_nodes = host_per_node(per_rank, world=16, machines=2, host_memory=10**12)
+    assert (two_nodes["ranks_per_node"], two_nodes["host_bytes_per_node"]) == (8, 8 * per_rank)
+    assert not two_nodes["host_fits"], "800 GiB of inputs on a node of 1 TB (80 % usable: 745 GiB)"
+    assert host_per_node(per_rank, world=16, machines=2, host_memory=2 * 10**12)["host_fits"]
+    assert "host_fits" not in host_per_node(per_rank, world=8, machines=1, host_memory=None)
+    assert HOST_MEMORY_SHARE == 0.8
+    with pytest.raises(PlanError, match="--host-memory '2x' is not a memory size"):
+        host_memory_option("2x")
 
 
 def test_plan_names_the_run_it_plans_and_backend_overrides_the_yaml():

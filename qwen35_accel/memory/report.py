@@ -119,9 +119,14 @@ def describe(report: dict[str, Any], gpus: int) -> list[str]:
                         f"{_gib(m['reference_parameters'])}; no gradients, optimizer state or saved activations (no_grad forwards)")
     if "offload" in report:
         off = report["offload"]
-        lines.append(f"  activation offload: {_gib(off['host_bytes_per_rank'])} of host memory per rank (times the ranks of "
-                     f"a node: host memory is per node), {_gib(off['bytes_per_layer'])} per layer each way, "
+        node = (f" x {off['ranks_per_node']} ranks per node = {_gib(off['host_bytes_per_node'])} per node"
+                if "host_bytes_per_node" in off else " (times the ranks of a node: host memory is per node)")
+        lines.append(f"  activation offload: {_gib(off['host_bytes_per_rank'])} of host memory per rank{node}, "
+                     f"{_gib(off['bytes_per_layer'])} per layer each way, "
                      f"{off['seconds_per_layer_each_way'] * 1e3:.1f} ms at an assumed {off['host_link_bytes_per_s'] / 1e9:.0f} GB/s host link")
+        if "host_fits" in off:
+            budget = f"{off['host_memory_share']:.0%} of {_gib(off['host_memory_bytes'])} per node (--host-memory)"
+            lines.append(f"  offloaded inputs {'fit in' if off['host_fits'] else 'do NOT fit in'} {budget}")
         names = {"linear_attention": "GatedDeltaNet", "full_attention": "attention"}
         forward = " / ".join(f"{t * 1e3:.1f} ms ({names[kind]})" for kind, t in off["forward_seconds_per_layer"].items())
         lines.append(f"  offload against compute: a layer's forward {forward} at an assumed {off['device_flops_per_s'] / 1e12:.0f} "

@@ -137,3 +137,13 @@ def memory_options(gpu_memory: str | None, batch_size: int, optimizer: str, sugg
         return None if gpu_memory is None else parse_bytes(gpu_memory)
     except ValueError as error:
         raise PlanError(f"--gpu-memory {error}") from None
+
+
+def host_memory_option(host_memory: str | None) -> int | None:
+    """`--host-memory` in bytes (None when not given); PlanError naming the value otherwise."""
+    from ..memory import parse_bytes
+
+    try:
+        return None if host_memory is None else parse_bytes(host_memory)
+    except ValueError as error:
+        raise PlanError(f"--host-memory {error}") from None

@@ -82,6 +82,9 @@ def _worker(rank: int, world: int, cp: int) -> None:
         assert context_parallel_mesh(model) is not None
         assert_close(model(**batch, fused_lm_head=True).log_probs.detach(), want.log_probs.detach(), "after generation")
 
+    if cp > 1:
+        _split_generation_equals_one_process(model, reference, mesh, batch)
+
     # Replicas: which ranks share a batch and lead their group, on meshes of this world.
     single = replicas(type("A", (), {"torch_device_mesh": mesh})())
     assert single is not None and (single.dp_index, single.dp_size, single.keep) == (0, 1, (0,))
@@ -91,6 +94,42 @@ def _worker(rank: int, world: int, cp: int) -> None:
         assert (found.dp_index, found.dp_size, found.keep) == (rank // 2, 2, (0, 2))
         gathered = torch.arange(16).view(8, 2)  # a gather of 2 rows per rank, in rank order
         assert found.once(gathered).tolist() == [[0, 1], [2, 3], [8, 9], [10, 11]]  # ranks 0 and 2
+
+
+def _split_generation_equals_one_process(model, reference, mesh, batch) -> None:
+    """Per-row sampling with the rows split over the cp ranks (`_generate_split`, as around TRL's
+    `_generate_single_turn`; the stand-in generates as TRL does, from the trainer's generation
+    config): 3 rows (1 and 2 per rank) and 1 row (rank 1 generates a discarded copy) draw what the
+    reference draws for all rows in one call with the same seeds."""
+    import types
+
+    from transformers import GenerationConfig
+
+    from qwen35_accel.context_parallel import context_parallel_paused
+    from qwen35_accel.integrations.row_sampling import row_seed, with_row_sampling
+    from qwen35_accel.integrations.trl_sampling import _generate_split
+
+    def generate_single_turn(self, prompt_ids, images, multimodal_fields):
+        width = max(len(p) for p in prompt_ids)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompt_ids])
+        out = self.model.generate(input_ids=ids, attention_mask=(ids != 0).long(), generation_config=self.generation_config,
+                                  synced_gpus=True)
+        return out[:, width:].tolist(), None
+
+    config = GenerationConfig(max_new_tokens=5, do_sample=True, temperature=0.8, top_k=30, pad_token_id=0, eos_token_id=None)
+    accelerator = types.SimpleNamespace(process_index=0, torch_device_mesh=mesh)
+    trainer = types.SimpleNamespace(model=model, generation_config=config, accelerator=accelerator,
+                                    args=types.SimpleNamespace(seed=5), state=types.SimpleNamespace(global_step=2))
+    prompts = [row[row != 0].tolist() for row in batch["input_ids"][:, :6]]
+    for rows, call in ((3, 0), (1, 1)):
+        with torch.no_grad(), context_parallel_paused(model):
+            got, _ = _generate_split(trainer, generate_single_turn, (prompts[:rows], None, {}), {})
+        seeded = with_row_sampling(config, [row_seed(5, 2, call, r) for r in range(rows)])
+        reference_trainer = types.SimpleNamespace(model=reference, generation_config=seeded)
+        with torch.no_grad():
+            want, _ = generate_single_turn(reference_trainer, prompts[:rows], None, {})
+        assert got == want, (rows, got, want)
+    assert trainer.generation_config is config
 
 
 @pytest.mark.parametrize("world,cp", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)], ids=["cp2", "cp2xtp2"])

@@ -32,12 +32,20 @@ PER_DEVICE = "4"  # one prompt's 4 generations per data-parallel replica and ste
 CP_VARIANTS = "dapo_eval,grpo,dr_grpo,rloo"
 DP_VARIANTS = "dapo_eval,grpo,dr_grpo"
 TP_VARIANTS = "dapo_eval,grpo"
+SPLIT = {"QWEN35_ACCEL_RL_GENERATION": "split"}  # per-row sampling, the group's rows split over its cp ranks
+SPLIT_VARIANTS = "dapo_eval,grpo,rloo"
+SPLIT_DP_VARIANTS = "dapo_eval"
 register(**{
     "grpo/single": Run(None, SCRIPT, ("{out}", PER_DEVICE, "--variants", CP_VARIANTS)),
     "grpo/cp2": Run("cpu_fsdp2_cp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", CP_VARIANTS)),
     "grpo/dp2": Run("cpu_fsdp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", DP_VARIANTS)),
     "grpo/dp2xcp2": Run("cpu_fsdp2_dp2_cp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", DP_VARIANTS)),
     "grpo/dp2xtp2": Run("cpu_fsdp2_tp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", TP_VARIANTS)),
+    "grpo/single-split": Run(None, SCRIPT, ("{out}", PER_DEVICE, "--variants", SPLIT_VARIANTS), env=SPLIT),
+    "grpo/cp2-split": Run("cpu_fsdp2_cp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", SPLIT_VARIANTS), env=SPLIT),
+    "grpo/dp2-split": Run("cpu_fsdp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", SPLIT_DP_VARIANTS), env=SPLIT),
+    "grpo/dp2xcp2-split": Run("cpu_fsdp2_dp2_cp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", SPLIT_DP_VARIANTS),
+                              env=SPLIT),
 })
 
 
@@ -75,6 +83,29 @@ def test_grpo_and_rloo_under_cp2_equal_one_process_completion_for_completion(lau
 ])
 def test_grpo_under_dp2_times_cp2_or_tp2_equals_dp2(launched, case, variants):
     _assert_same_completions_and_log(launched(f"grpo/{case}").out, launched("grpo/dp2").out, variants, replicas=2, ranks=4)
+
+
+@pytest.mark.launches("grpo/single", "grpo/single-split", "grpo/cp2-split")
+def test_split_generation_under_cp2_draws_the_one_process_per_row_completions(launched):
+    """QWEN35_ACCEL_RL_GENERATION=split: each cp rank generates half of the group's rows with
+    per-row sampling, the group gathers them; the one-process run with the same setting (per-row
+    sampling, every row in one call) trained on the same completions and logged the same values.
+    Other completions than TRL's own sampling (the setting took effect in the one-process run)."""
+    split, one_process = launched("grpo/cp2-split"), launched("grpo/single-split")
+    assert "each of the 2 cp ranks generates 2-2 of the group's 4 rows" in split.stderr, split.stderr[-2000:]
+    _assert_same_completions_and_log(split.out, one_process.out, SPLIT_VARIANTS, replicas=1, ranks=2)
+    stock = json.loads((launched("grpo/single").out / "dapo_eval" / "completions-rank0.json").read_text())
+    per_row = json.loads((one_process.out / "dapo_eval" / "completions-rank0.json").read_text())
+    assert [c["prompt"] for c in per_row] == [c["prompt"] for c in stock]
+    assert [c["completion_ids"] for c in per_row] != [c["completion_ids"] for c in stock]
+
+
+@pytest.mark.launches("grpo/dp2-split", "grpo/dp2xcp2-split")
+def test_split_generation_under_dp2_times_cp2_equals_dp2(launched):
+    """Each replica seeds its rows by their global index (dp index × rows + row): dp 2 × cp 2 with
+    split generation draws, per replica, what dp 2 draws."""
+    _assert_same_completions_and_log(launched("grpo/dp2xcp2-split").out, launched("grpo/dp2-split").out,
+                                     SPLIT_DP_VARIANTS, replicas=2, ranks=4)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -172,7 +172,9 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
             PatchPoint(
                 f"trl.trainer.{module}", f"{trainer}._generate_single_turn", trl_sampling.trl_generate_without_cp, TRL,
                 f"{trainer} generation on a dense Qwen3.5 model under cp or tp > 1: the model's CP paused (whole "
-                "sequences and a cache on every rank; stock: refused, the CP model takes no cache)",
+                "sequences and a cache on every rank; stock: refused, the CP model takes no cache), the units gathered "
+                "once per call where they fit; with QWEN35_ACCEL_RL_GENERATION=split (any world): per-row sampling, "
+                "under cp > 1 each cp rank 1/cp of the rows (stock: one RNG stream per process)",
             ),
             PatchPoint(
                 f"trl.trainer.{module}", "gather", trl_sampling.trl_gather_once, TRL,

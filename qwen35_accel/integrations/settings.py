@@ -65,6 +65,14 @@ class PluginSettings:
         "under cp > 1, run the Trainer's preprocess_logits_for_metrics on each rank's sequence chunks and gather its "
         "output instead of the whole-sequence logits (exact only for position-wise functions such as argmax)",
     )
+    rl_generation: str = _knob(
+        "replicated",
+        "TRL's GRPO/RLOO generation on a dense Qwen3.5 model: replicated (TRL's sampling, one RNG stream per "
+        "replica; under cp every rank of a group generates all of the group's rows) or split (per-row sampling: each "
+        "row its own generator seeded from the seed, the step and the row's global index, in every run, one process "
+        "included; under cp > 1 each cp rank generates 1/cp of its group's rows, gathered after; other completions "
+        "than replicated's, the same with and without cp)",
+    )
     fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of the units in layer order, embedding to tail")
     fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
     fsdp2_backward_prefetch_depth: int = _knob(2, "layers prefetched ahead in backward")
@@ -150,6 +158,7 @@ _CHOICES = {
     "fp32_holder_units": ("per_layer", "model"),
     "cp_state_exchange": ("auto", "allgather", "scan"),
     "tiled_loss": ("off", "hold", "recompute"),
+    "rl_generation": ("replicated", "split"),
 }
 # Choice knobs that were booleans: their boolean spellings still work (true: the first choice after "off").
 _FORMERLY_BOOLEAN = {"tiled_loss": {True: "hold", False: "off"}}

@@ -23,7 +23,9 @@ replica they are, the one a `dp N` run without cp/tp would have at that index:
   cache, FSDP2 gathering its units as in any data-parallel generation; the group's ranks draw
   the same tokens (same seed, same prompts, the same logits). The group generates its prompts
   once per rank: its wall time is one replica's. The units are gathered once per call where
-  they fit (`parallel.gathered_generation`), else per forward.
+  they fit (`parallel.gathered_generation`), else per forward. With
+  `QWEN35_ACCEL_RL_GENERATION=split`, in any world: per-row sampling (`row_sampling`), and under
+  cp > 1 each cp rank generates 1/cp of the rows, the completions all-gathered over the cp group.
 - The training forwards (policy, old policy, reference) are TRL's fused head on whole rows,
   sharded by `trl_whole_rows` (left-padded prompts moved to the layout CP takes).
 """
@@ -34,6 +36,8 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
+import logging
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.mesh import has_dim, mesh_dim_size
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,21 +161,130 @@ def trl_replica_view(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def trl_generate_without_cp(original: Callable[..., Any]) -> Callable[..., Any]:
-    """The wrapper of a sampling trainer's `_generate_single_turn`: the model's CP paused for
-    the generation (whole sequences and a cache on every rank), its FSDP2 units gathered once
-    for the call where they fit (`units_gathered`), not once per new token."""
+    """The wrapper of a sampling trainer's `_generate_single_turn` on a dense Qwen3.5 model.
+    Under cp or tp: the model's CP paused for the generation (whole sequences and a cache on
+    every rank), its FSDP2 units gathered once for the call where they fit (`units_gathered`),
+    not once per new token. With `QWEN35_ACCEL_RL_GENERATION=split` (any world): per-row
+    sampling, and under cp > 1 each cp rank generating its share of the group's rows
+    (`_generate_split`)."""
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _applies(self) is None:
+        split = _per_row_sampling(self)
+        active = _applies(self)
+        if active is None and not split:
             return original(self, *args, **kwargs)
-        from ..parallel.context_parallel.model import context_parallel_paused
-        from ..parallel.gathered_generation import units_gathered
+        with contextlib.ExitStack() as stack:
+            if active is not None:
+                from ..parallel.context_parallel.model import context_parallel_paused
+                from ..parallel.gathered_generation import units_gathered
 
-        with context_parallel_paused(self.model_wrapped), units_gathered(self.model_wrapped, self.accelerator.device):
-            return original(self, *args, **kwargs)
+                stack.enter_context(context_parallel_paused(self.model_wrapped))
+                stack.enter_context(units_gathered(self.model_wrapped, self.accelerator.device))
+            if not split:
+                return original(self, *args, **kwargs)
+            return _generate_split(self, original, args, kwargs)
 
     return wrapper
+
+
+def _per_row_sampling(trainer: Any) -> bool:
+    from .settings import PluginSettings
+    from .targets import is_dense_qwen35_module
+
+    model = getattr(trainer, "model", None)
+    return (model is not None and is_dense_qwen35_module(model)
+            and PluginSettings.from_env().rl_generation == "split")
+
+
+_CALLS = "_qwen35_accel_generation_calls"  # (global step, generation calls made in it)
+_said_split: set[tuple[int, int]] = set()
+
+
+def _generate_split(trainer: Any, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`original(trainer, prompt_ids, images, multimodal_fields, ...)` with per-row sampling
+    (`row_sampling`): row i of this replica's `rows` prompts drawn from the generator of
+    `row_seed(seed, global step, call within the step, dp index × rows + i)`. Under cp > 1 (text
+    prompts) this rank generates rows [c·rows/cp, (c+1)·rows/cp) of cp coordinate c and the cp
+    group all-gathers the completions (a rank without rows generates a copy of row 0 and discards
+    it: every rank runs the same generation calls). Returns what `original` returns for all rows."""
+    from .row_sampling import row_seed, with_row_sampling
+
+    bound = inspect.signature(original).bind(trainer, *args, **kwargs).arguments
+    prompt_ids, images, multimodal = bound["prompt_ids"], bound.get("images"), bound.get("multimodal_fields")
+    _refuse_per_row_bypass(trainer)
+    rows = len(prompt_ids)
+    step = int(trainer.state.global_step)
+    last_step, calls = trainer.__dict__.get(_CALLS, (step, 0))
+    call = calls if last_step == step else 0
+    trainer.__dict__[_CALLS] = (step, call + 1)
+    first = trainer.accelerator.process_index * rows  # the replica's index (dp index under cp/tp)
+    seeds = [row_seed(trainer.args.seed, step, call, first + i) for i in range(rows)]
+
+    mesh = getattr(trainer.accelerator, "torch_device_mesh", None)
+    cp = mesh_dim_size(mesh, "cp") if mesh is not None else 1
+    shares = cp > 1 and images is None and not multimodal
+    if shares:
+        coordinate = mesh["cp"].get_local_rank()
+        lo, hi = coordinate * rows // cp, (coordinate + 1) * rows // cp
+    else:
+        lo, hi = 0, rows
+    mine = list(range(lo, hi)) or [0]
+    _say_split_once(rows, cp if shares else 1)
+    config = trainer.generation_config
+    trainer.generation_config = with_row_sampling(config, [seeds[i] for i in mine])
+    device = getattr(trainer.accelerator, "device", torch.device("cpu"))
+    # The global RNG left as before the call, in every world: Transformers' `multinomial` still draws from it (on
+    # the one-hot distributions) a number of times that depends on the rank's rows, and TRL draws from it after
+    # generating (its shuffle of the generation batch), which every rank of a group must draw alike.
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type):
+            if shares:
+                bound["prompt_ids"] = [prompt_ids[i] for i in mine]
+                result = original(**bound)
+            else:
+                result = original(trainer, *args, **kwargs)
+    finally:
+        trainer.generation_config = config
+    if not shares:
+        return result
+    # GRPO returns (completion_ids, logprobs or None), RLOO completion_ids: lists of per-row values.
+    fields = result if isinstance(result, tuple) else (result,)
+    if hi == lo:
+        fields = tuple(None if field is None else [] for field in fields)
+    parts: list[Any] = [None] * cp
+    dist.all_gather_object(parts, fields, group=mesh["cp"].get_group())
+    gathered = tuple(None if any(part[k] is None for part in parts) else [row for part in parts for row in part[k]]
+                     for k in range(len(fields)))
+    return gathered if isinstance(result, tuple) else gathered[0]
+
+
+def _refuse_per_row_bypass(trainer: Any) -> None:
+    """NotImplementedError (on every rank) where the trainer generates outside Transformers'
+    `generate`, which per-row sampling lives in: the setting would be ignored."""
+    refused = [what for what, present in (
+        ("vLLM generation (use_vllm=True)", getattr(trainer, "use_vllm", False)),
+        ("continuous batching (use_transformers_continuous_batching=True)",
+         getattr(trainer, "use_transformers_continuous_batching", False)),
+        ("a rollout_func", getattr(trainer, "rollout_func", None) is not None),
+    ) if present]
+    if refused:
+        raise NotImplementedError(
+            f"QWEN35_ACCEL_RL_GENERATION=split samples inside Transformers' generate; {type(trainer).__name__} "
+            f"generates through {', '.join(refused)}, which would ignore it. Unset the variable (or set it to replicated)."
+        )
+
+
+def _say_split_once(rows: int, cp: int) -> None:
+    key = (rows, cp)
+    if key in _said_split or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    _said_split.add(key)
+    if cp > 1:
+        where = f"each of the {cp} cp ranks generates {rows // cp}-{-(-rows // cp)} of the group's {rows} rows, gathered after"
+    else:
+        where = f"every rank generates its {rows} rows"
+    logger.warning("qwen35_accel: RL generation with per-row sampling (QWEN35_ACCEL_RL_GENERATION=split): %s", where)
 
 
 def trl_gather_once(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -230,6 +345,8 @@ def trl_sampling_setup(original: Callable[..., Any]) -> Callable[..., Any]:
         active = _applies(self)
         if active is not None and not self.__dict__.get(_SET_UP):
             _set_up_replica(self, active)
+        if _per_row_sampling(self):
+            _refuse_per_row_bypass(self)
         return original(self, *args, **kwargs)
 
     return wrapper

@@ -257,14 +257,20 @@ def test_vlm_placeholder_step_smoke():
 
 
 def test_rl_cp_step_smoke_reports_saved_bytes_step_and_generation_at_cp1_and_cp2():
-    stdout = _smoke("rl_cp_step.py")
+    stdout = _smoke("rl_cp_step.py", "--replica-layouts", "dp2,dp2xcp2")
     saved = _bold_ratio(stdout, "Saved bytes per rank, cp 2 / cp 1 (worst rank)")
     assert 0.3 < saved < 1.0, stdout  # each rank keeps its chunks' activations (tiny shapes: CP's fixed part weighs more)
     for label in ("Training step time (forward + backward), cp 2 / cp 1 (medians, slowest rank)",
-                  "Generation of 4 new tokens x 2 rows, CP paused, cp 2 / cp 1 (medians, slowest rank)"):
+                  "Generation of 4 new tokens x 3 rows, CP paused, every rank every row, FSDP2 gathering per forward, "
+                  "cp 2 / cp 1 (medians, slowest rank)",
+                  "Split (`QWEN35_ACCEL_RL_GENERATION=split`: per-row sampling, each cp rank 1-2 of the rows, units "
+                  "gathered once), CPU time per rank, cp 2 / cp 1 per forward"):
         ratio = _bold_ratio(stdout, label)
         assert math.isfinite(ratio) and ratio > 0, stdout
     assert "Sampled tokens identical in every world: yes" in stdout, stdout
+    assert "Per-row completions identical at cp 1 and cp 2: yes" in stdout, stdout
+    layouts = _table_rows(stdout, "| layout | world | every row, per forward (s) |")
+    assert [(r[0], r[1], r[-1]) for r in layouts] == [("dp2", "2", "yes"), ("dp2xcp2", "4", "yes")], stdout
     rows = _table_rows(stdout, "| config | rank | saved for backward: decoder (MiB) |")
     assert [(r[0], r[1]) for r in rows] == [("cp 1 (world 1)", "0"), ("cp 2 (world 2)", "0"), ("cp 2 (world 2)", "1")], stdout
     # cp 1 rank 0, cp 2 ranks 0 and 1: the same log-probs and gradient norm, fp32 rtol 1e-5 (reduction

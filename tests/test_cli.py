@@ -159,10 +159,13 @@ def test_plan_counts_activation_offload_and_suggests_it_a_million_tokens_of_27b_
     # Host memory is per node: the 8 ranks of the one machine hold 8 x 80 GiB, within 80 % of 1 TB.
     assert (off["ranks_per_node"], off["host_bytes_per_node"], off["host_fits"]) == (8, 8 * host, True)
     assert "offload" not in without
+    suggested = without["suggested_offload"]  # --host-memory checks the suggestion too
+    assert (suggested["ranks_per_node"], suggested["host_bytes_per_node"], suggested["host_fits"]) == (8, 8 * host, True)
 
 
 def test_plan_host_memory_per_node_counts_the_ranks_of_a_node_and_refuses_a_bad_size():
-    from qwen35_accel.plan import HOST_MEMORY_SHARE, PlanError, host_memory_option, host_per_node
+    from qwen35_accel.memory import HOST_MEMORY_SHARE, host_per_node
+    from qwen35_accel.plan import PlanError, host_memory_option
 
     per_rank = 100 * 2**30
     two_nodes = host_per_node(per_rank, world=16, machines=2, host_memory=10**12)
@@ -173,6 +176,10 @@ def test_plan_host_memory_per_node_counts_the_ranks_of_a_node_and_refuses_a_bad_
     assert HOST_MEMORY_SHARE == 0.8
     with pytest.raises(PlanError, match="--host-memory '2x' is not a memory size"):
         host_memory_option("2x")
+    nothing = run_cli("plan", "--model", "tiny", "--config", str(CONFIGS / "cpu_fsdp2.yaml"), "--seq-len", "256",
+                      "--host-memory", "1TB")
+    assert nothing.returncode == 2 and "--host-memory: nothing is kept in host memory in this plan" in nothing.stderr, \
+        nothing.stderr[-2000:]
 
 
 def test_plan_names_the_run_it_plans_and_backend_overrides_the_yaml():

@@ -1,5 +1,6 @@
-"""What activation offload costs in time per decoder layer: its input's copy to the host and back
-over the host link, against the compute that hides them, from a stated compute model.
+"""What activation offload costs: in time per decoder layer: its input's copy to the host and back
+over the host link, against the compute that hides them, from a stated compute model; and in
+host memory per node (`host_per_node`).
 
 Each checkpointed layer's input ([batch, seq / cp, hidden] in the compute dtype) goes to the host
 on a side stream while the layer that reads it runs its forward, and comes back (prefetched)
@@ -23,6 +24,9 @@ HOST_LINK_BYTES_PER_S = 25e9
 DEVICE_PEAK_FLOPS_PER_S = {2: 989e12, 4: 494.5e12}
 # The share of that peak a decoder layer's kernels reach (a typical long-context training MFU).
 ASSUMED_MFU = 0.4
+# Of a node's host memory, what the ranks' pinned offload buffers may take (pinned pages stay resident;
+# the rest: the OS, data loaders, the checkpoint's staging, the optimizer's CPU side if any).
+HOST_MEMORY_SHARE = 0.8
 # A layer's recompute (one forward) and backward (two forwards' FLOPs): what the copy back overlaps.
 RECOMPUTE_AND_BACKWARD = 3
 
@@ -74,3 +78,14 @@ def offload_timing(
         "copy_to_host_hidden": seconds <= shortest, "copy_back_hidden": seconds <= RECOMPUTE_AND_BACKWARD * shortest,
     }
 
+
+
+def host_per_node(bytes_per_rank: int, world: int, machines: int, host_memory: int | None) -> dict[str, Any]:
+    """Activation offload's host bytes per node: `bytes_per_rank` × the ranks of a node (`world /
+    machines`), and with `host_memory` (bytes per node) whether they fit in HOST_MEMORY_SHARE of it."""
+    ranks = max(1, world // max(1, machines))
+    found: dict[str, Any] = {"ranks_per_node": ranks, "host_bytes_per_node": bytes_per_rank * ranks}
+    if host_memory is not None:
+        found.update(host_memory_bytes=host_memory, host_memory_share=HOST_MEMORY_SHARE,
+                     host_fits=bytes_per_rank * ranks <= HOST_MEMORY_SHARE * host_memory)
+    return found

@@ -119,14 +119,10 @@ def describe(report: dict[str, Any], gpus: int) -> list[str]:
                         f"{_gib(m['reference_parameters'])}; no gradients, optimizer state or saved activations (no_grad forwards)")
     if "offload" in report:
         off = report["offload"]
-        node = (f" x {off['ranks_per_node']} ranks per node = {_gib(off['host_bytes_per_node'])} per node"
-                if "host_bytes_per_node" in off else " (times the ranks of a node: host memory is per node)")
-        lines.append(f"  activation offload: {_gib(off['host_bytes_per_rank'])} of host memory per rank{node}, "
+        lines.append(f"  activation offload: {_gib(off['host_bytes_per_rank'])} of host memory per rank{_per_node(off)}, "
                      f"{_gib(off['bytes_per_layer'])} per layer each way, "
                      f"{off['seconds_per_layer_each_way'] * 1e3:.1f} ms at an assumed {off['host_link_bytes_per_s'] / 1e9:.0f} GB/s host link")
-        if "host_fits" in off:
-            budget = f"{off['host_memory_share']:.0%} of {_gib(off['host_memory_bytes'])} per node (--host-memory)"
-            lines.append(f"  offloaded inputs {'fit in' if off['host_fits'] else 'do NOT fit in'} {budget}")
+        lines += _host_verdict(off)
         names = {"linear_attention": "GatedDeltaNet", "full_attention": "attention"}
         forward = " / ".join(f"{t * 1e3:.1f} ms ({names[kind]})" for kind, t in off["forward_seconds_per_layer"].items())
         lines.append(f"  offload against compute: a layer's forward {forward} at an assumed {off['device_flops_per_s'] / 1e12:.0f} "
@@ -147,8 +143,25 @@ def describe(report: dict[str, Any], gpus: int) -> list[str]:
     if report.get("suggested_offload"):
         s = report["suggested_offload"]
         lines.append(f"  suggested: activation offload (fsdp_activation_checkpointing and fsdp_activation_checkpointing_offload: "
-                     f"true) at this mesh: total {_gib(s['total'])} on the device, {_gib(s['host_activations'])} of host memory per rank")
+                     f"true) at this mesh: total {_gib(s['total'])} on the device, {_gib(s['host_activations'])} of host memory "
+                     f"per rank{_per_node(s)}")
+        lines += _host_verdict(s)
     return lines
+
+
+def _per_node(offload: dict[str, Any]) -> str:
+    """The per-node part of an offload line (`host_per_node`'s keys, when `plan` added them)."""
+    if "host_bytes_per_node" not in offload:
+        return " (times the ranks of a node: host memory is per node)"
+    return f" x {offload['ranks_per_node']} ranks per node = {_gib(offload['host_bytes_per_node'])} per node"
+
+
+def _host_verdict(offload: dict[str, Any]) -> list[str]:
+    """The --host-memory verdict line, when given."""
+    if "host_fits" not in offload:
+        return []
+    budget = f"{offload['host_memory_share']:.0%} of {_gib(offload['host_memory_bytes'])} per node (--host-memory)"
+    return [f"  offloaded inputs {'fit in' if offload['host_fits'] else 'do NOT fit in'} {budget}"]
 
 
 def describe_vision(tower: dict[str, Any]) -> list[str]:

@@ -34,22 +34,7 @@ from .config import (
 )
 from .text import print_plan
 
-# Of a node's host memory, what the ranks' pinned offload buffers may take (pinned pages stay resident;
-# the rest: the OS, data loaders, the checkpoint's staging, the optimizer's CPU side if any).
-HOST_MEMORY_SHARE = 0.8
-
-
-def host_per_node(bytes_per_rank: int, world: int, machines: int, host_memory: int | None) -> dict[str, Any]:
-    """Activation offload's host bytes per node: `bytes_per_rank` × the ranks of a node (`world /
-    machines`), and with `host_memory` (bytes per node) whether they fit in HOST_MEMORY_SHARE of it."""
-    ranks = max(1, world // max(1, machines))
-    found: dict[str, Any] = {"ranks_per_node": ranks, "host_bytes_per_node": bytes_per_rank * ranks}
-    if host_memory is not None:
-        found.update(host_memory_bytes=host_memory, host_memory_share=HOST_MEMORY_SHARE,
-                     host_fits=bytes_per_rank * ranks <= HOST_MEMORY_SHARE * host_memory)
-    return found
-
-__all__ = ["HOST_MEMORY_SHARE", "VISION_TOWER_CHOICES", "PlanError", "host_memory_option", "host_per_node", "memory_options", "plan", "print_plan"]
+__all__ = ["VISION_TOWER_CHOICES", "PlanError", "host_memory_option", "memory_options", "plan", "print_plan"]
 
 
 def plan(
@@ -71,8 +56,10 @@ def plan(
     YAML describes (`planned_run`: a CPU YAML over gloo with torch's kernels, else CUDA over
     nccl with FLA), "gloo" or "nccl" that run instead (the cp group's automatic state
     exchange depends on it too); `gpu_memory` bytes per GPU for the verdict
-    (`memory.memory_report`); `host_memory` bytes per node for activation offload's (the
-    YAML's ranks per node, `num_processes / num_machines`, each holding its offloaded inputs). `vision_tower` (a VLM config): "trainable" (default),
+    (`memory.memory_report`); `host_memory` bytes per node for activation offload's verdict,
+    configured or suggested (`memory.host_per_node`: the YAML's ranks per node, `num_processes /
+    num_machines`, each holding its offloaded inputs; PlanError where nothing is offloaded).
+    `vision_tower` (a VLM config): "trainable" (default),
     "frozen", or "none" (the text model alone, as `AutoModelForCausalLM` loads it);
     `image_tokens`: image and video tokens per rank's micro-batch, whole sequences (0: a
     text-only step). `reference_model`: the run also holds a frozen copy of the model (TRL's
@@ -81,6 +68,7 @@ def plan(
     (`reference_model` in the result, and `memory_per_rank["reference_parameters"]`), without
     gradients, optimizer state or activations."""
     from ..integrations.settings import PluginSettings
+    from ..memory import host_per_node
     from ..parallel.fsdp import describe_prefetch, fsdp_units
     from .comm import cp_comm
     from .layout import by_layer, fake_world, meta_model, parallelize, reference_unit_bytes, unit_rows, vision_report
@@ -120,9 +108,17 @@ def plan(
         )
         if tower is not None and tower_step is not None:
             tower.update(tower_step)
+        machines = int(cluster.num_machines or 1)
         if "offload" in memory:
-            memory["offload"].update(host_per_node(memory["offload"]["host_bytes_per_rank"], sizes["world"],
-                                                   int(cluster.num_machines or 1), host_memory))
+            memory["offload"].update(host_per_node(memory["offload"]["host_bytes_per_rank"], sizes["world"], machines,
+                                                   host_memory))
+        elif memory.get("suggested_offload"):
+            memory["suggested_offload"].update(host_per_node(memory["suggested_offload"]["host_activations"],
+                                                             sizes["world"], machines, host_memory))
+        elif host_memory is not None:
+            raise PlanError("--host-memory: nothing is kept in host memory in this plan (no activation offload: set "
+                            "fsdp_activation_checkpointing_offload: true, or pass --gpu-memory and --suggest where offload "
+                            "would make the run fit)")
         replicated = tower["replicated_bytes_per_rank"] if tower else 0
         reference = None
         if reference_model:

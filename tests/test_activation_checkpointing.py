@@ -276,8 +276,9 @@ def test_offload_copies_a_tensor_saved_by_several_layers_to_the_host_once():
     """A tensor object that several checkpointed layers of one forward save (as positional
     arguments: Transformers 5.24 passes its rotary cos/sin by keyword, which the checkpoint keeps
     in its recompute closure instead) is copied to the host once; modified in place between two
-    layers, it is copied again, and each layer's recompute gets the value it was called with;
-    a second unpack (backward through a retained graph) copies back again, with the same result."""
+    layers, it is copied again, and each layer's recompute gets the value it was called with
+    (repeated unpacks: `test_offload_unpacks_a_group_out_of_order_or_twice`; a second backward
+    through a retained graph fails inside torch's composable checkpoint before any unpack)."""
     from torch import nn
 
     from qwen35_accel.parallel.activation_checkpointing import apply_activation_checkpointing

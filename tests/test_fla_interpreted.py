@@ -153,6 +153,14 @@ def test_fla_conv_kernel_equals_the_torch_conv_with_and_without_documents(dtype)
                 assert_close(a, b, f"{what} (documents: {documents is not None})", atol=1e-5)
             else:  # bf16 x: FLA accumulates in fp32, torch's conv in the weight's fp32 too; outputs round to bf16
                 assert _grad_gap(a, b) < 1e-2, what
+    # The documents as offsets over the flattened rows (what the packed layer hands over, no seq_idx):
+    # row 0's documents, then row 1's at 0, 5, 6, 40, each row starting one.
+    offsets = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0)[:-1].tolist(), n, n + 5, n + 6, n + 40, 2 * n])
+    by_offsets = fla_conv_kernel(x, weight, bias, cu_seqlens=offsets.to(torch.int32), activation="silu")
+    assert torch.equal(by_offsets, fla_conv_kernel(x, weight, bias, seq_idx=seq_idx, activation="silu"))
+    assert not torch.equal(by_offsets, fla_conv_kernel(x, weight, bias, activation="silu"))
+    with pytest.raises(ValueError, match="not both"):
+        fla_conv_kernel(x, weight, bias, seq_idx=seq_idx, cu_seqlens=offsets, activation="silu")
 
 
 @pytest.mark.parametrize("vlm", [False, True], ids=["causal_lm", "vlm_text_path"])
@@ -196,7 +204,8 @@ def test_packed_rows_without_cp_go_to_fla_with_cu_seqlens_and_equal_the_document
     with ik.launches() as backward:
         got.loss.backward()
     assert RULE_FORWARD in forward and CONV_FORWARD in forward and CONV_BACKWARD in backward
-    assert forward.count(RULE_FORWARD) == 2  # one varlen call per GatedDeltaNet layer (2), not one per document
+    # One varlen call of the rule and of the conv per GatedDeltaNet layer (2), not one per document:
+    assert forward.count(RULE_FORWARD) == 2 and forward.count(CONV_FORWARD) == 2
     assert_close(got.logits, want_logits, "logits", atol=2e-5)
     assert_close(got.loss, want_loss, "loss")
     _assert_model_grads(model, reference, atol=2e-5)

@@ -235,10 +235,12 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         weight = self.conv1d.weight.squeeze(1)
         documents = kwargs.get("cu_seq_lens_q")
         if documents is not None and cache is None and _varlen_kernel("causal_conv1d", mixed_qkv):
+            conv = _kernel("causal_conv1d_fn", "causal_conv1d", mixed_qkv)
+            if conv is fla_conv_kernel:  # FLA takes the documents' offsets as they come: no seq_idx round trip
+                return conv(mixed_qkv, weight, self.conv1d.bias, activation=self.activation, cu_seqlens=documents)
             batch = mixed_qkv.shape[0]
             index = torch.arange(batch * seq_len, device=documents.device)
             seq_idx = (torch.searchsorted(documents[1:-1].long(), index, right=True)).view(batch, seq_len).to(torch.int32)
-            conv = _kernel("causal_conv1d_fn", "causal_conv1d", mixed_qkv)
             return conv(mixed_qkv, weight, self.conv1d.bias, activation=self.activation, seq_idx=seq_idx)
         if documents is not None and cache is None:  # packed rows: each document's window starts at its start
             batch, channels = mixed_qkv.shape[:2]

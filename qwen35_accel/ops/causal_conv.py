@@ -68,25 +68,32 @@ def fla_conv_kernel(
     bias: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
     activation: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     **_: object,
 ) -> torch.Tensor:
     """The interface's rule through FLA's Triton `causal_conv1d` (`kernels.fla_conv_status()`
     usable; CUDA tensors, or CPU ones under Triton's interpreter in tests).
 
     FLA takes channel-last [batch, n, channels] and packed documents as `cu_seqlens` over one
-    flattened row: `seq_idx` (non-decreasing per row) becomes those segments. It accumulates in
-    fp32 and returns `x`'s dtype. Further keyword arguments (Transformers' call passes its
-    kwargs on) are ignored, as Transformers' wrapper filters them.
+    flattened row: `seq_idx` (non-decreasing per row) becomes those segments (one host sync).
+    A caller that has the segments already passes `cu_seqlens` instead ([segments + 1] int32
+    offsets over the flattened batch·n tokens, ending at batch·n, as Transformers' `cu_seq_lens_q`
+    of packed rows): no sync. It accumulates in fp32 and returns `x`'s dtype. Further keyword
+    arguments (Transformers' call passes its kwargs on) are ignored, as Transformers' wrapper
+    filters them.
     """
     function = kernels.fla_conv_status().function
     assert function is not None, "fla_conv_kernel called without a usable FLA conv"
+    if seq_idx is not None and cu_seqlens is not None:
+        raise ValueError("fla_conv_kernel takes packed documents as seq_idx or as cu_seqlens, not both")
     batch, channels, n = x.shape
     channel_last = x.transpose(1, 2)
-    if seq_idx is None:
+    if seq_idx is None and cu_seqlens is None:
         out, _ = function(channel_last, weight, bias, activation=activation)
     else:
+        segments = seq_idx_to_cu_seqlens(seq_idx) if cu_seqlens is None else cu_seqlens.to(torch.int32)
         flat = channel_last.reshape(1, batch * n, channels)
-        out, _ = function(flat, weight, bias, activation=activation, cu_seqlens=seq_idx_to_cu_seqlens(seq_idx))
+        out, _ = function(flat, weight, bias, activation=activation, cu_seqlens=segments)
         out = out.view(batch, n, channels)
     return out.transpose(1, 2).to(x.dtype)
 

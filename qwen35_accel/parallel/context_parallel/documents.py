@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from ...ops.causal_conv import seq_idx_to_cu_seqlens
 from .layout import local_positions
 
 DOCUMENTS_KWARG = "qwen35_sharded_documents"
@@ -53,6 +54,16 @@ class ShardedDocuments:
         if halo not in cache:
             first, second = self.offsets.chunk(2, dim=1)
             cache[halo] = (conv_seq_idx(first, halo), conv_seq_idx(second, halo))
+        return cache[halo]
+
+    def conv_cu_seqlens(self, halo: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same windows as `conv_seq_idx(halo)`, as FLA's conv takes them: per local chunk,
+        `cu_seqlens` [segments + 1] int32 over its flattened [batch · (halo + n)] conv input.
+        Made once per forward (one host sync per chunk), not once per layer."""
+        cache = self.__dict__.setdefault("_conv_cu_seqlens", {})
+        if halo not in cache:
+            first, second = self.conv_seq_idx(halo)
+            cache[halo] = (seq_idx_to_cu_seqlens(first), seq_idx_to_cu_seqlens(second))
         return cache[halo]
 
     @functools.cached_property

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
-from ...ops.causal_conv import ConvKernel, select_conv_kernel, torch_conv_kernel
+from ...ops.causal_conv import ConvKernel, fla_conv_kernel, select_conv_kernel, torch_conv_kernel
 from ...ops.documents import per_document_with_state
 from ...ops.gated_delta import Kernel, chunk_summary, read_state, select_kernel
 from ..collectives import all_gather_with_grad
@@ -128,7 +128,7 @@ def cp_causal_conv1d(
     shorter than the kernel. With `documents` (packed rows) a window never reaches before
     its token's document start. `kernel` (`ops.causal_conv.ConvKernel`, default
     `torch_conv_kernel`) convolves each chunk behind its halo, channel-last, with `seq_idx`
-    for packed rows. Communication: one all-gather of 2 × [batch, channels,
+    for packed rows (FLA's conv: the same windows as `cu_seqlens`). Communication: one all-gather of 2 × [batch, channels,
     min(chunk, kernel−1)] per rank. Returns [batch, channels, local_seq] in `x`'s dtype.
     """
     kernel = kernel or torch_conv_kernel
@@ -139,8 +139,13 @@ def cp_causal_conv1d(
     tail = min(chunks[0].shape[-1], halo)
     gathered = all_gather_with_grad(torch.stack([c[..., c.shape[-1] - tail :] for c in chunks]), group)
     outputs = []
-    seq_idxs = documents.conv_seq_idx(halo) if documents is not None else (None, None)
-    for chunk_index, chunk, seq_idx in zip(rank_chunks(rank, cp), chunks, seq_idxs):
+    if documents is None:
+        windows: tuple[dict[str, Any], ...] = ({}, {})
+    elif kernel is fla_conv_kernel:  # FLA's conv takes the segments, made once per forward
+        windows = tuple({"cu_seqlens": segments} for segments in documents.conv_cu_seqlens(halo))
+    else:
+        windows = tuple({"seq_idx": seq_idx} for seq_idx in documents.conv_seq_idx(halo))
+    for chunk_index, chunk, window in zip(rank_chunks(rank, cp), chunks, windows):
         # The halo: the last `halo` inputs of everything before this chunk; chunks shorter
         # than the halo need several predecessors.
         needed = -(-halo // tail) if tail else 0
@@ -148,7 +153,7 @@ def cp_causal_conv1d(
         context = torch.cat([x.new_zeros(*x.shape[:-1], halo), *before], dim=-1)[..., -halo:] if halo else x[..., :0]
         # Channel-last (stride 1 along channels), the layout causal-conv1d needs for seq_idx.
         padded = torch.cat([context.transpose(1, 2), chunk.transpose(1, 2)], dim=1).transpose(1, 2).to(weight.dtype)
-        out = kernel(padded, weight, bias, seq_idx=seq_idx, activation=activation)
+        out = kernel(padded, weight, bias, activation=activation, **window)
         outputs.append(out[..., halo:].to(x.dtype))
     return torch.cat(outputs, dim=-1)
 

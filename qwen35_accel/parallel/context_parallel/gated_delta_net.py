@@ -128,8 +128,9 @@ def cp_causal_conv1d(
     shorter than the kernel. With `documents` (packed rows) a window never reaches before
     its token's document start. `kernel` (`ops.causal_conv.ConvKernel`, default
     `torch_conv_kernel`) convolves each chunk behind its halo, channel-last, with `seq_idx`
-    for packed rows (FLA's conv: the same windows as `cu_seqlens`). Communication: one all-gather of 2 × [batch, channels,
-    min(chunk, kernel−1)] per rank. Returns [batch, channels, local_seq] in `x`'s dtype.
+    for packed rows (FLA's conv: the same windows as `cu_seqlens`). Communication: one
+    all-gather of 2 × [batch, channels, min(chunk, kernel−1)] per rank. Returns [batch,
+    channels, local_seq] in `x`'s dtype.
     """
     kernel = kernel or torch_conv_kernel
     cp = dist.get_world_size(group)

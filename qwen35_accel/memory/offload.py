@@ -79,7 +79,6 @@ def offload_timing(
     }
 
 
-
 def host_per_node(bytes_per_rank: int, world: int, machines: int, host_memory: int | None) -> dict[str, Any]:
     """Activation offload's host bytes per node: `bytes_per_rank` × the ranks of a node (`world /
     machines`), and with `host_memory` (bytes per node) whether they fit in HOST_MEMORY_SHARE of it."""

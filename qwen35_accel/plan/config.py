@@ -125,7 +125,7 @@ def vision_tower_choice(model: str, config: Any, choice: str | None, image_token
 
 def memory_options(gpu_memory: str | None, batch_size: int, optimizer: str, suggest: bool) -> int | None:
     """Check the memory options before anything is built; return `gpu_memory` in bytes."""
-    from ..memory import StepOptions, parse_bytes
+    from ..memory import StepOptions
 
     if suggest and gpu_memory is None:
         raise PlanError("--suggest needs --gpu-memory (e.g. --gpu-memory 141GB)")
@@ -133,17 +133,19 @@ def memory_options(gpu_memory: str | None, batch_size: int, optimizer: str, sugg
         StepOptions(seq_len=1, batch_size=batch_size, optimizer=optimizer)
     except ValueError as error:
         raise PlanError(f"--batch-size/--optimizer: {error}") from None
-    try:
-        return None if gpu_memory is None else parse_bytes(gpu_memory)
-    except ValueError as error:
-        raise PlanError(f"--gpu-memory {error}") from None
+    return _bytes_option("--gpu-memory", gpu_memory)
 
 
 def host_memory_option(host_memory: str | None) -> int | None:
     """`--host-memory` in bytes (None when not given); PlanError naming the value otherwise."""
+    return _bytes_option("--host-memory", host_memory)
+
+
+def _bytes_option(flag: str, value: str | None) -> int | None:
+    """A memory size option (e.g. 141GB) in bytes, None when not given; PlanError naming `flag`."""
     from ..memory import parse_bytes
 
     try:
-        return None if host_memory is None else parse_bytes(host_memory)
+        return None if value is None else parse_bytes(value)
     except ValueError as error:
-        raise PlanError(f"--host-memory {error}") from None
+        raise PlanError(f"{flag} {error}") from None

@@ -1,5 +1,6 @@
 """TRL's `SFTTrainer`, unchanged (tests/scripts/trl_sft.py), through `accelerate launch`
-against one process on the same global batch: every value TRL and the Trainer log per step
+against one process on the same global batch (and TRL's own `trl sft` CLI with the cp 2 YAML
+against the same command without it): every value TRL and the Trainer log per step
 (`trainer_state.json`, training and evaluation) — the loss, grad norm, TRL's `entropy`,
 `mean_token_accuracy` and `num_tokens`, `eval_loss` and TRL's eval metrics, and for
 padded rows the Trainer's `total_flos`.
@@ -22,11 +23,13 @@ parallelism by its own check; padding-free batches it passes, and they run under
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 from _launched import Run, register
 from _parity import assert_same_log_history, log_history
+from _trl_cli import RECIPES, four_sgd_steps, saved_tiny_model, single_and_cp2
 
 from qwen35_accel.testing.launch import REPO
 
@@ -100,3 +103,20 @@ def test_sft_trainer_packing_logs_what_one_process_computing_each_document_alone
     # fp32 rtol 1e-5: FSDP2's reduction order. total_flos not compared: Transformers sums the
     # ranks' estimates in float32, which rounds these rows' counts (by 16 in 1e9 here; stock dp).
     assert_same_log(launched("trl/packing").out, launched("trl/packing-reference").out, rtol=1e-5, flos=False)
+
+
+def test_trl_sft_cli_under_cp_logs_what_one_process_logs(tmp_path):
+    """TRL's own `trl sft` (its script, SFTConfig's defaults: Transformers' gradient checkpointing,
+    the prompt masked from the loss, the model loaded by the trainer from its folder), unchanged:
+    `--accelerate_config` with the cp 2 YAML against the same command without it. The checkpoint's
+    log history compared: loss, grad norm, entropy, mean_token_accuracy, num_tokens."""
+    model, data = saved_tiny_model(tmp_path / "model"), tmp_path / "data"
+    data.mkdir()
+    shutil.copy(RECIPES / "data" / "sft_tiny.jsonl", data / "train.jsonl")  # prompt and completion
+    single, cp2, output = single_and_cp2(tmp_path, "sft", four_sgd_steps(model, data), step=4)
+    assert output.count("prepared by qwen35_accel") == 1 and "cp=2" in output, output[-3000:]
+    logged = log_history(single)
+    losses = [e["loss"] for e in logged if "loss" in e]
+    assert len(losses) == 4 and losses[-1] < losses[0] and any(e.get("mean_token_accuracy", 0) > 0 for e in logged), logged
+    # fp32 rtol 1e-5: the reduction order of cp's per-chunk partial gradients (as the script's runs above).
+    assert_same_log_history(cp2, single, rtol=1e-5, atol=1e-6)

@@ -17,17 +17,15 @@ same for the precomputed reference log-probs (TRL divides its token count by tp 
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from _launched import Run, register
 from _parity import assert_same_log_history, log_history
+from _trl_cli import RECIPES, four_sgd_steps, saved_tiny_model, single_and_cp2
 
-from qwen35_accel.local_world import free_port
-from qwen35_accel.testing.launch import CONFIGS, REPO, run_to_completion
+from qwen35_accel.testing.launch import REPO
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch: each test launches worlds
 
@@ -104,18 +102,10 @@ def test_kto_trainer_under_cp_logs_what_one_process_logs(launched):
 
 
 def _cli_inputs(root: Path) -> tuple[Path, Path]:
-    """A saved tiny model (the recipes' config, seed 0, with the recipes' tokenizer) and a
-    folder with `train.jsonl` of 32 preference pairs (prompt, its completion, the next record's)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, set_seed
-
-    recipes = REPO / "recipes"
-    model, data = root / "model", root / "data"
-    set_seed(0)
-    config = AutoConfig.from_pretrained(recipes / "configs" / "tiny_qwen35.json")
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model)
-    for file in (recipes / "configs" / "tokenizer").iterdir():
-        shutil.copy(file, model / file.name)
-    records = [json.loads(line) for line in (recipes / "data" / "sft_tiny.jsonl").read_text().splitlines()[:33]]
+    """A saved tiny model (`_trl_cli.saved_tiny_model`) and a folder with `train.jsonl` of 32
+    preference pairs (prompt, its completion, the next record's)."""
+    model, data = saved_tiny_model(root / "model"), root / "data"
+    records = [json.loads(line) for line in (RECIPES / "data" / "sft_tiny.jsonl").read_text().splitlines()[:33]]
     data.mkdir()
     (data / "train.jsonl").write_text("".join(
         json.dumps({"prompt": a["prompt"], "chosen": a["completion"], "rejected": b["completion"]}) + "\n"
@@ -129,20 +119,8 @@ def test_trl_dpo_cli_under_cp_logs_what_one_process_logs(tmp_path):
     YAML against the same command without it (`accelerate launch` without a config: one process;
     HF_HOME in tmp_path so no user default config applies). The checkpoint's log history compared."""
     model, data = _cli_inputs(tmp_path)
-    common = [
-        "--model_name_or_path", str(model), "--dataset_name", str(data), "--max_steps", "4",
-        "--per_device_train_batch_size", "4", "--optim", "sgd", "--learning_rate", "0.3", "--lr_scheduler_type", "constant",
-        "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "4", "--save_only_model", "True",
-        "--report_to", "none", "--seed", "0", "--dataloader_drop_last", "True", "--max_length", "64",
-        "--pad_to_multiple_of", "8", "--bf16", "False",
-    ]
-    trl = [sys.executable, "-m", "trl.cli.main", "dpo"]  # the `trl` console script's entry point
-    env = {"HF_HOME": str(tmp_path / "hf")}
-    run_to_completion([*trl, *common, "--output_dir", str(tmp_path / "single")], env)
-    output = run_to_completion([*trl, *common, "--output_dir", str(tmp_path / "cp2"), "--accelerate_config",
-                   str(CONFIGS / "cpu_fsdp2_cp2.yaml"), "--main_process_port", str(free_port())], env)
+    single, cp2, output = single_and_cp2(tmp_path, "dpo", four_sgd_steps(model, data), step=4)
     assert output.count("prepared by qwen35_accel") == 2 and "cp=2" in output, output[-3000:]  # policy and reference
-    single, cp2 = tmp_path / "single" / "checkpoint-4", tmp_path / "cp2" / "checkpoint-4"
     logged = log_history(single)
     assert sum("loss" in e for e in logged) == 4 and max(abs(e["rewards/chosen"]) for e in logged) > 0, logged
     assert_same_log_history(cp2, single, rtol=1e-5, atol=1e-6)  # as the script's runs above

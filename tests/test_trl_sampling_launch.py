@@ -14,15 +14,14 @@ left); completions stop at EOS or are clipped at 8 tokens."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 from _launched import Run, register
 from _parity import assert_same_log_history, log_history
+from _trl_cli import RECIPES, saved_tiny_model, single_and_cp2
 
-from qwen35_accel.testing.launch import REPO, accelerate_launch_command, assert_refused_on_every_rank, run_launch, run_to_completion
+from qwen35_accel.testing.launch import REPO, accelerate_launch_command, assert_refused_on_every_rank, run_launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch
 
@@ -128,21 +127,10 @@ def test_trl_grpo_cli_with_a_reward_from_a_module_path_under_cp_logs_what_one_pr
     reward function by dotted import path), unchanged: `--accelerate_config` with the cp 2 YAML
     against the same command without it (one process; HF_HOME in tmp_path so no user default
     config applies). The checkpoint's log history compared."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
-
-    from qwen35_accel.local_world import free_port
-    from qwen35_accel.testing.launch import CONFIGS
-
-    recipes = REPO / "recipes"
-    model, data = tmp_path / "model", tmp_path / "data"
-    tokenizer = AutoTokenizer.from_pretrained(recipes / "configs" / "tokenizer")
-    set_seed(0)
-    policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(recipes / "configs" / "tiny_qwen35.json"))
-    policy.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(60, 99)]  # some completions stop early
-    policy.save_pretrained(model)
-    tokenizer.save_pretrained(model)
+    model = saved_tiny_model(tmp_path / "model", eos_token_ids=range(60, 99))  # some completions stop early
+    data = tmp_path / "data"
     data.mkdir()
-    records = [json.loads(line) for line in (recipes / "data" / "sft_tiny.jsonl").read_text().splitlines()[:16]]
+    records = [json.loads(line) for line in (RECIPES / "data" / "sft_tiny.jsonl").read_text().splitlines()[:16]]
     (data / "train.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in records))
     (tmp_path / "cli_rewards.py").write_text("def length(completions, **kwargs):\n    return [len(c) / 10 for c in completions]\n")
     common = [
@@ -152,13 +140,8 @@ def test_trl_grpo_cli_with_a_reward_from_a_module_path_under_cp_logs_what_one_pr
         "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2", "--save_only_model", "True",
         "--report_to", "none", "--dtype", "float32", "--attn_implementation", "sdpa", "--bf16", "False",
     ]
-    trl = [sys.executable, "-m", "trl.cli.main", "grpo"]  # the `trl` console script's entry point
-    env = {"HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    run_to_completion([*trl, *common, "--output_dir", str(tmp_path / "single")], env)
-    output = run_to_completion([*trl, *common, "--output_dir", str(tmp_path / "cp2"), "--accelerate_config",
-                   str(CONFIGS / "cpu_fsdp2_cp2.yaml"), "--main_process_port", str(free_port())], env)
+    single, cp2, output = single_and_cp2(tmp_path, "grpo", common, step=2)
     assert output.count(PREPARED) == 2, output[-3000:]  # policy and reference
-    single, cp2 = tmp_path / "single" / "checkpoint-2", tmp_path / "cp2" / "checkpoint-2"
     logged = log_history(single)
     assert sum("loss" in e for e in logged) == 2 and logged[1]["kl"] > 0, logged
     assert_same_log_history(cp2, single, rtol=1e-5, atol=1e-6, skip=("step_time",))

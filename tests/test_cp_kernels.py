@@ -36,11 +36,11 @@ def test_cpu_tensors_get_the_torch_conv_kernel():
 
 
 def _transformers_conv():
-    import inspect
-
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    return inspect.unwrap(hf.causal_conv1d_fn)  # its torch fallback, whatever is installed
+    from qwen35_accel.ops.kernels import unwrap_function
+
+    return unwrap_function(hf.causal_conv1d_fn)  # its torch fallback, whatever is installed
 
 
 @pytest.mark.parametrize("bias,activation", [(True, "silu"), (False, None)])

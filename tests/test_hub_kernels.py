@@ -15,22 +15,24 @@ MARKED = (hf.Qwen3_5GatedDeltaNet, hf.Qwen3_5RMSNormGated, hf.Qwen3_5RMSNorm)
 
 
 def _kernelized(path, monkeypatch) -> nn.Module:
-    """A tiny Qwen3.5 as Transformers 5.25 leaves it after `from_pretrained` and `train()`. With a
-    usable `kernels`, Transformers' own kernelize; without it (this registry serves no kernels >= 0.19.1)
-    what kernelize does on a device its mapping has no kernel for: mark the classes
-    (`kernel_layer_name`, Transformers' decorator) and bind each module's class forward on the instance
-    (kernels' `_replace_forward`), `_use_kernels` set. `path`: a saved tiny model."""
+    """A tiny Qwen3.5 as Transformers 5.25 leaves it after `from_pretrained` and `train()`, with each
+    marked module's forward bound on the instance as kernelize binds it where it binds one (a Hub
+    kernel's on a device its mapping serves; `kernels` 0.17's own class forward on any device).
+    With a usable `kernels`, Transformers' own kernelize runs first (`kernels` 0.19 binds nothing on
+    CPU: its function modules are per instance instead); the classes are marked
+    (`kernel_layer_name`, Transformers' decorator) where `kernels` is absent, and every marked module
+    without an instance forward gets its class forward bound (kernels' `_replace_forward`),
+    `_use_kernels` set. `path`: a saved tiny model."""
     from transformers import AutoModelForCausalLM
-    from transformers.utils.import_utils import is_kernels_available
 
     model = AutoModelForCausalLM.from_pretrained(path).train()
-    if not (is_kernels_available() and getattr(model, "use_kernels", False)):
-        for cls in MARKED:
+    for cls in MARKED:
+        if not hasattr(cls, "kernel_layer_name"):
             monkeypatch.setattr(cls, "kernel_layer_name", cls.__name__, raising=False)
-        for module in model.modules():
-            if isinstance(module, MARKED):
-                module.forward = types.MethodType(type(module).forward, module)
-        model._use_kernels = True
+    for module in model.modules():
+        if isinstance(module, MARKED) and "forward" not in module.__dict__:
+            module.forward = types.MethodType(type(module).forward, module)
+    model._use_kernels = True
     assert all("forward" in m.__dict__ for m in model.modules() if isinstance(m, MARKED))
     return model
 

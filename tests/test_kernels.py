@@ -185,7 +185,7 @@ def test_where_transformers_calls_fla_our_layer_takes_it_only_on_cuda_and_only_a
         on_cuda = fp32_gate._kernel(name, "fla", CUDA_TENSOR)
         assert (on_cuda is getattr(hf, name)) == (version == "0.5.2")
         on_cpu = fp32_gate._kernel(name, "fla", torch.zeros(1))
-        assert on_cpu is not getattr(hf, name) and inspect.unwrap(on_cpu) is inspect.unwrap(getattr(hf, name))
+        assert on_cpu is not getattr(hf, name) and kernels.unwrap_function(on_cpu) is kernels.unwrap_function(getattr(hf, name))
         with pytest.raises(ValueError, match="cannot keep packed documents apart"):
             on_cpu(*[torch.zeros(1, 4, 1, 2)] * 3, g=torch.zeros(1, 4, 1), beta=torch.ones(1, 4, 1), cu_seqlens=torch.tensor([0, 4]))
         assert fp32_gate._kernel("causal_conv1d_fn", "causal_conv1d", CUDA_TENSOR) is hf.causal_conv1d_fn  # as resolved

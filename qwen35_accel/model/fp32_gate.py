@@ -15,7 +15,6 @@ accepts those names (from unmodified checkpoints, in any floating dtype).
 from __future__ import annotations
 
 import functools
-import inspect
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -73,7 +72,7 @@ def _kernel(name: str, package: str, x: torch.Tensor) -> Callable[..., Any]:
 def _torch_function(name: str) -> Callable[..., Any]:
     """The torch function under Transformers' `name`, refusing packed-row arguments as
     Transformers' own fallback does (the function itself ignores them)."""
-    function = inspect.unwrap(getattr(hf, name))
+    function = kernels.unwrap_function(getattr(hf, name))
 
     @functools.wraps(function)
     def refusing_packed_rows(*args: Any, **kwargs: Any) -> Any:

@@ -15,7 +15,6 @@ different ranks (`qwen35_accel.parallel.context_parallel`).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -36,7 +35,7 @@ def torch_kernel() -> Kernel:
     """
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    return inspect.unwrap(hf.torch_chunk_gated_delta_rule)
+    return kernels.unwrap_function(hf.torch_chunk_gated_delta_rule)
 
 
 def fla_kernel() -> Kernel | None:

@@ -228,20 +228,45 @@ def conv_package(device: Any) -> str | None:
     return _chosen("conv", device)
 
 
+def closure_cells(fn: Any) -> dict[str, Any]:
+    """The closure cells of a plain function by free-variable name (empty for anything else)."""
+    code = getattr(fn, "__code__", None)
+    return dict(zip(code.co_freevars, fn.__closure__ or ())) if code is not None else {}
+
+
+def function_layers(fn: Any) -> list[Any]:
+    """`fn` and every callable it wraps, outermost first, the innermost last: `functools.wraps`'
+    `__wrapped__`, and the function inside a `kernels` function module. With `kernels` installed
+    (0.19), Transformers' Hub decorator turns a module-level function into an `nn.Module` instance
+    whose class's `forward` calls the decorated function (closure cell `func`); without it the
+    name holds the decorated function itself."""
+    layers: list[Any] = []
+    while fn is not None and all(fn is not seen for seen in layers):
+        layers.append(fn)
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None and not hasattr(fn, "__code__"):  # a kernels function module
+            cell = closure_cells(getattr(type(fn), "forward", None)).get("func")
+            inner = None if cell is None else cell.cell_contents
+        fn = inner
+    return layers
+
+
+def unwrap_function(fn: Any) -> Any:
+    """The innermost callable under `fn` (`function_layers`): for Transformers' kernel functions,
+    the torch function under its wrappers, whether `kernels` is installed or not."""
+    return function_layers(fn)[-1]
+
+
 @functools.cache
 def transformers_uses(package: str) -> bool | None:
     """Whether Transformers' Qwen3.5 module calls `package`'s kernel (decided at its import;
     see module doc), or None where its wrapper does not show it."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    fn = getattr(hf, TRANSFORMERS_FUNCTIONS[package])
-    seen: set[int] = set()
-    while fn is not None and id(fn) not in seen:  # through decorators, to the fallback's wrapper
-        seen.add(id(fn))
-        cells = dict(zip(getattr(fn, "__code__", None) and fn.__code__.co_freevars or (), fn.__closure__ or ()))
-        if "is_new_implementation" in cells:
-            return bool(cells["is_new_implementation"].cell_contents)
-        fn = getattr(fn, "__wrapped__", None)
+    for fn in function_layers(getattr(hf, TRANSFORMERS_FUNCTIONS[package])):  # to the fallback's wrapper
+        cell = closure_cells(fn).get("is_new_implementation")
+        if cell is not None:
+            return bool(cell.cell_contents)
     return None
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import importlib.util
-import inspect
 import os
 import sys
 from collections.abc import Iterator
@@ -129,15 +128,13 @@ def _transformers_admits_cpu() -> None:
     every device)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+    from ..ops import kernels
+
     for name in TRANSFORMERS_FLA_FUNCTIONS:
-        function = getattr(hf, name)
-        while function is not None:
-            code = getattr(function, "__code__", None)
-            cells = dict(zip(code.co_freevars, function.__closure__ or ())) if code is not None else {}
-            devices = cells.get("supported_devices")
+        for function in kernels.function_layers(getattr(hf, name)):
+            devices = kernels.closure_cells(function).get("supported_devices")
             if devices is not None and devices.cell_contents is not None and "cpu" not in devices.cell_contents:
                 devices.cell_contents = (*devices.cell_contents, "cpu")
-            function = getattr(function, "__wrapped__", None)
 
 
 @contextlib.contextmanager
@@ -157,7 +154,7 @@ def torch_oracle() -> Iterator[None]:
     saved = {name: getattr(hf, name) for name in TRANSFORMERS_FLA_FUNCTIONS}
     try:
         for name, function in saved.items():
-            setattr(hf, name, inspect.unwrap(function))
+            setattr(hf, name, kernels.unwrap_function(function))
         yield
     finally:
         for name, function in saved.items():

@@ -137,6 +137,12 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                                 ("grpo_trainer", "GRPOTrainer"), ("rloo_trainer", "RLOOTrainer"),
                                 ("kto_trainer", "KTOTrainer"))
     ),
+    PatchPoint(
+        "trl.trainer.sft_trainer", "SFTTrainer.compute_loss", trl_fused_head.sft_compute_loss, TRL,
+        "SFTTrainer on a dense Qwen3.5 model under cp > 1, training without num_items_in_batch (the VLM class takes "
+        "no loss kwargs): the loss over the cp group's label tokens, cp x (local sum / group count) (stock TRL: "
+        "each rank's mean over its own chunks, averaged by FSDP2: a wrong loss and gradient)",
+    ),
     *(
         PatchPoint(
             f"trl.trainer.{module}", f"{trainer}.{method}", trl_whole_rows.trl_counted_once, TRL,

@@ -14,6 +14,12 @@ slices over the tp group. Every other model runs TRL's head unchanged.
 Under context parallelism the same patch point gives TRL's whole-row calls (unshifted `labels`,
 as DPO and KTO pass them) the per-token fields of whole rows: a forward pre-hook shards the call
 with the CP layout, and the forward gathers the fields back (`trl_whole_rows`).
+
+`SFTTrainer.compute_loss` divides the summed log-probs by `num_items_in_batch` when the Trainer
+counts it, else by this rank's label tokens (`label_mask.sum()`). The Trainer counts it only for
+models that take loss kwargs: `Qwen3_5ForConditionalGeneration` declares `accepts_loss_kwargs =
+False`, so on the VLM each rank divided by its own chunks' count under CP, and FSDP2 averaged
+those per-chunk means: a wrong loss and gradient, silently (`sft_compute_loss` below).
 """
 
 from __future__ import annotations
@@ -158,5 +164,51 @@ def trl_add_fused_lm_head(original: Callable[..., Any]) -> Callable[..., Any]:
 
         setattr(forward, FUSED_HEAD_ATTR, True)
         model.forward = types.MethodType(forward, model)
+
+    return wrapper
+
+
+def _cp_group_of(model: nn.Module) -> Any:
+    """The cp process group of the prepared dense Qwen3.5 model inside `model` (under CP now), else None."""
+    from ..parallel.context_parallel.model import context_parallel_mesh
+    from .evaluation import _prepared_qwen35
+
+    qwen = _prepared_qwen35(model)
+    mesh = context_parallel_mesh(qwen) if qwen is not None else None
+    return None if mesh is None or mesh.size() == 1 else mesh.get_group()
+
+
+def sft_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The wrapper of TRL's `SFTTrainer.compute_loss`: for a prepared Qwen3.5 model under cp > 1 in
+    training, with no `num_items_in_batch` (the VLM class: the Trainer counts none, see the module
+    docstring), this rank's loss becomes `cp · local_sum / group_count`.
+
+    TRL returns `local_sum / max(local_count, 1)` over this rank's chunks (`shift_labels`); one
+    process (or one data-parallel replica) returns the mean over the whole rows, `group_sum /
+    group_count`. Rescaled by `local_count · cp / group_count` (one scalar all-reduce over the cp
+    group), the mean over the cp ranks of the logged losses is the replica's mean, and FSDP2's
+    average over `dp_shard_cp` of the gradients is the replica's gradient (dp replicas averaged
+    as stock DDP averages their means). Every other call is TRL's own."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                num_items_in_batch: Any = None) -> Any:
+        result = original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        group = _cp_group_of(model) if num_items_in_batch is None and model.training else None
+        shift_labels = inputs.get("shift_labels") if group is not None else None
+        if shift_labels is None:
+            return result
+        if self.compute_loss_func is not None or self.label_smoother is not None:
+            raise NotImplementedError(
+                "TRL's SFTTrainer under context parallelism with a compute_loss_func or label smoothing on a model that "
+                "takes no loss kwargs (Qwen3_5ForConditionalGeneration): the loss would be a mean over this rank's "
+                "chunks only. Train without them, or with cp_size 1."
+            )
+        loss, outputs = result if return_outputs else (result, None)
+        local = (shift_labels != IGNORE_INDEX).sum().to(loss.device)
+        total = local.clone()
+        torch.distributed.all_reduce(total, group=group)
+        loss = loss * (local * torch.distributed.get_world_size(group) / total.clamp(min=1)).to(loss.dtype)
+        return (loss, outputs) if return_outputs else loss
 
     return wrapper

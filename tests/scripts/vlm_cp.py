@@ -8,7 +8,8 @@ on 6 rows. Rows of 30 tokens (padded to 32 under cp 2: four chunks of 8) with im
 different sizes whose tokens straddle chunk boundaries, a video, a right-padded row, a
 text-only row; the collator gives `input_ids`, `attention_mask`, `labels`, `mm_token_type_ids`,
 `pixel_values`, `image_grid_thw` (and the video keys) as a Qwen3.5 VLM collator does. Rank 0
-writes OUT_DIR/trainer_state.json (losses, grad norms, eval metrics), OUT_DIR/predictions.pt.
+writes OUT_DIR/trainer_state.json (losses, grad norms, eval metrics), OUT_DIR/predictions.pt (predict()'s
+logits and label ids, and the predicted rows' attention mask).
 `--packed`: the collator adds `position_ids` restarting mid-row (two documents per row).
 """
 
@@ -79,10 +80,13 @@ def main() -> None:
                       preprocess_logits_for_metrics=preprocess_logits_for_metrics)
     trainer.train()
     trainer.evaluate()
-    predictions = trainer.predict(PlacedRows(6, seed=400))
+    predict_rows = PlacedRows(6, seed=400)
+    predictions = trainer.predict(predict_rows)
     trainer.save_state()
     if trainer.is_world_process_zero():
-        torch.save({"logits": torch.as_tensor(predictions.predictions), "label_ids": torch.as_tensor(predictions.label_ids)},
+        attention_mask = torch.cat([row["attention_mask"] for row in predict_rows.rows])
+        torch.save({"logits": torch.as_tensor(predictions.predictions), "label_ids": torch.as_tensor(predictions.label_ids),
+                    "attention_mask": attention_mask},
                    Path(cli.output_dir) / "predictions.pt")
 
 

@@ -44,6 +44,12 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "(stock: 'Only one model is supported when using FSDP2')",
     ),
     PatchPoint(
+        "accelerate.accelerator", "Accelerator.prepare_model", preparation.prepare_model, ACCELERATE,
+        "dense Qwen3.5 without FSDP (one process, DDP): fp32 gate holders before Accelerate wraps the model, the "
+        "checkpoint's fp32 gate values read back after a bf16 load (stock: the gates train as loaded, bf16 for a "
+        "bf16 load)",
+    ),
+    PatchPoint(
         "accelerate.accelerator", "Accelerator._prepare_tp", preparation.prepare_tp, ACCELERATE,
         "dense Qwen3.5: Accelerate's load-time TP path is skipped; the parallelizer splits the model by heads",
     ),

@@ -5,7 +5,7 @@
 settings and the accelerator's mesh (`prepare_qwen35_fsdp2`); `fsdp2_apply_ac` steps
 aside (the parallelizer checkpoints each decoder layer and trainable vision block);
 `prepare_tp` / `prepare_cp` skip Accelerate's own TP and CP paths, which the parallelizer
-replaces.
+replaces. `prepare_model` holds the gates in fp32 where no FSDP runs (one process, DDP).
 """
 
 from __future__ import annotations
@@ -390,3 +390,59 @@ def _note_restored_gates(model: nn.Module) -> None:
             f"{restored} GatedDeltaNet gate tensors (A_log/dt_bias) were loaded below fp32; their fp32 values were read "
             f"back, bitwise, from {source}"
         )
+
+
+def _without_fsdp(accelerator: Any, model: nn.Module) -> bool:
+    """Accelerate prepares `model` without FSDP, DeepSpeed or Megatron (one process, DDP), and
+    nothing has sharded it (no DTensor parameters: Transformers' load-time TP/FSDP, FSDP2)."""
+    from accelerate.utils import DistributedType
+    from torch.distributed.tensor import DTensor
+
+    sharding = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+    if accelerator.distributed_type in sharding or getattr(model, "_is_accelerate_prepared", False):
+        return False
+    return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _gates_below_fp32(model: nn.Module) -> bool:
+    """Whether some GatedDeltaNet of `model` stores `A_log` or `dt_bias` below fp32 (a bf16 load)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    return any(
+        getattr(module, name).dtype in (torch.bfloat16, torch.float16)
+        for module in model.modules() if isinstance(module, Qwen3_5GatedDeltaNet)
+        for name in ("A_log", "dt_bias")
+    )
+
+
+def prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The wrapper of `Accelerator.prepare_model`: a dense Qwen3.5 model prepared without FSDP whose
+    gates are stored below fp32 (a bf16 load) gets the fp32 gate holders (`install_fp32_gate`)
+    before Accelerate wraps it (autocast, DDP): the gates take the checkpoint's fp32 values back,
+    train in fp32 and are saved in fp32. The Parameter objects are kept, so an optimizer made
+    before `prepare` stays valid. Gates already in fp32 are left to Transformers' own layer, which
+    computes the gate in fp32 under any autocast: nothing to fix, and one-process runs stay the
+    unmodified model. `QWEN35_ACCEL_FP32_GATES=0` leaves bf16 gates as loaded."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if (
+            is_dense_qwen35_module(model) and _without_fsdp(self, model) and _gates_below_fp32(model)
+            and PluginSettings.from_env(strict=True).fp32_gates
+        ):
+            from ..model.detect import unwrap_qwen35
+            from ..model.fp32_gate import has_fp32_gate, install_fp32_gate
+
+            converted = install_fp32_gate(model)
+            if converted:
+                held = sum(has_fp32_gate(m) for m in model.modules())
+                how = "DDP" if self.num_processes > 1 else "one process"
+                main_process_note(
+                    f"{type(unwrap_qwen35(model)).__name__} prepared by qwen35_accel without FSDP ({how}): GatedDeltaNet "
+                    f"gates A_log/dt_bias held in fp32 in {held} layers (trained, computed and saved in fp32 under any "
+                    "mixed precision; QWEN35_ACCEL_FP32_GATES=0 leaves them as loaded)"
+                )
+                _note_restored_gates(model)
+        return original(self, model, *args, **kwargs)
+
+    return wrapper

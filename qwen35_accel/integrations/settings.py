@@ -73,6 +73,12 @@ class PluginSettings:
         "included; under cp > 1 each cp rank generates 1/cp of its group's rows, gathered after; other completions "
         "than replicated's, the same with and without cp)",
     )
+    fp32_gates: bool = _knob(
+        True,
+        "without FSDP (one process, DDP): hold each GatedDeltaNet's A_log/dt_bias in an fp32 holder at prepare, "
+        "the checkpoint's fp32 values read back after a bf16 load; 0 leaves them as loaded (FSDP2 always holds them "
+        "in fp32)",
+    )
     fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of the units in layer order, embedding to tail")
     fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
     fsdp2_backward_prefetch_depth: int = _knob(2, "layers prefetched ahead in backward")

@@ -20,11 +20,16 @@ import torch
 @dataclasses.dataclass(frozen=True)
 class DocumentGroup:
     """Documents of one padded length P: `members` [n] long (document numbers), `index`
-    [n, P] long (token of each slot; 0 where not `valid`), `valid` [n, P] bool."""
+    [n, P] long (token of each slot; 0 where not `valid`), `valid` [n, P] bool; `slots`
+    [tokens of the group] long (the valid slots of the flattened [n * P]) and `tokens` (their
+    tokens), made with the group so that scattering back needs no boolean-mask index (a host
+    sync on CUDA) in every layer."""
 
     members: torch.Tensor
     index: torch.Tensor
     valid: torch.Tensor
+    slots: torch.Tensor
+    tokens: torch.Tensor
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[tokens, ...] -> [n, P, ...], zeros after each document."""
@@ -64,7 +69,8 @@ def _groups(cu_seq_lens: torch.Tensor, multiple: int) -> list[DocumentGroup]:
         offsets = torch.arange(size, device=cu.device)
         valid = offsets[None, :] < lengths[members, None]
         index = torch.where(valid, starts[members, None] + offsets[None, :], 0)
-        groups.append(DocumentGroup(members, index, valid))
+        slots = valid.flatten().nonzero().flatten()  # with the groups' other syncs, once per forward
+        groups.append(DocumentGroup(members, index, valid, slots, index.flatten()[slots]))
     return groups
 
 
@@ -106,10 +112,11 @@ def per_document_with_state(
         result, state = fn(*(group.gather(x) for x in inputs))
         if out is None:
             out = result.new_zeros(tokens, *result.shape[2:])
-        out = out.index_copy(0, group.index[group.valid], result[group.valid])
+        # In place: autograd's index_copy_ backward needs neither `out` nor a copy of it per group.
+        out.index_copy_(0, group.tokens, result.flatten(0, 1).index_select(0, group.slots))
         if state is not None:
             if states is None:
                 states = state.new_zeros(documents, *state.shape[1:])
-            states = states.index_copy(0, group.members, state)
+            states.index_copy_(0, group.members, state)
     assert out is not None, "cu_seq_lens holds no document"
     return out, states

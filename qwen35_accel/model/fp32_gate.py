@@ -60,20 +60,44 @@ def _kernel(name: str, package: str, x: torch.Tensor) -> Callable[..., Any]:
     `package` found unusable by `ops.kernels` (older than `MIN_FLA`, its backward would raise).
     Then the torch function under it. The conv (`causal_conv1d_fn`) takes FLA's Triton conv
     instead of any torch function where that is usable (`kernels.conv_package`)."""
-    uses = kernels.transformers_uses(package) is True
-    if uses and kernels.takes_kernel(package, x.device) and kernels.status(package).usable:
+    source = _kernel_source(name, package, str(x.device))
+    if source == "transformers":
         return getattr(hf, name)
-    if name == "causal_conv1d_fn" and kernels.conv_package(x.device) == "fla_conv":
+    if source == "fla_conv":
         return fla_conv_kernel
-    return _torch_function(name) if uses else getattr(hf, name)
+    # The plain torch function, not Transformers' wrapper of it: with `kernels` 0.19 that is an
+    # nn.Module instance (`Func`) calling the decorated function, which torch.compile cannot trace
+    # ("Expected CellVariable ... in load_cell"); the function under it is the same computation.
+    return _torch_function(name)
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
+def _kernel_source(name: str, package: str, device: str) -> str:
+    """Where `_kernel` takes `name` from for tensors on `device`: "transformers" (what Transformers
+    calls: the package's kernel, or a wrapper that does not show its choice), "fla_conv" or "torch".
+    A constant to torch.compile (computed when traced, not traced: it reads Transformers' closures)."""
+    decided = kernels.transformers_uses(package)
+    on = torch.device(device)
+    if decided is True and kernels.takes_kernel(package, on) and kernels.status(package).usable:
+        return "transformers"
+    if name == "causal_conv1d_fn" and kernels.conv_package(on) == "fla_conv":
+        return "fla_conv"
+    return "transformers" if decided is None else "torch"
+
+
+_TORCH_FUNCTIONS: dict[str, Callable[..., Any]] = {}
+
+
 def _torch_function(name: str) -> Callable[..., Any]:
     """The torch function under Transformers' `name`, refusing packed-row arguments as
-    Transformers' own fallback does (the function itself ignores them)."""
-    function = kernels.unwrap_function(getattr(hf, name))
+    Transformers' own fallback does (the function itself ignores them). Made once per name (a
+    plain dict: torch.compile traces through it without the warning `functools.cache` gives)."""
+    if name not in _TORCH_FUNCTIONS:
+        _TORCH_FUNCTIONS[name] = _refusing_packed_rows(name, kernels.unwrap_function(getattr(hf, name)))
+    return _TORCH_FUNCTIONS[name]
 
+
+def _refusing_packed_rows(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)
     def refusing_packed_rows(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:

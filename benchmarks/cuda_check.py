@@ -291,7 +291,7 @@ def check_packing(device: str, smoke: bool = False) -> dict:
     document alone through the unmodified model (fp32, TF32 off): logits and every
     gradient. With causal-conv1d / FLA installed the layers use their varlen kernels
     (`seq_idx` / `cu_seqlens`), which the CPU suite cannot reach."""
-    from qwen35_accel.model import fp32_gate
+    from qwen35_accel.model import fp32_gate, kernel_functions
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, packed_documents
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -308,8 +308,8 @@ def check_packing(device: str, smoke: bool = False) -> dict:
     grad_err = max(_rel(p.grad, ref[n.replace("._fp32_params.", ".")].grad) for n, p in model.named_parameters())
     probe = out.logits.new_zeros(1)
     return {
-        "varlen_conv": fp32_gate._varlen_kernel("causal_conv1d", probe),
-        "varlen_rule": fp32_gate._varlen_kernel("fla", probe),
+        "varlen_conv": kernel_functions.varlen_kernel("causal_conv1d", probe),
+        "varlen_rule": kernel_functions.varlen_kernel("fla", probe),
         "logits_rel_err": _rel(out.logits, alone),
         "max_grad_rel_err": grad_err,
     }

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen35_accel.model import fp32_gate
+from qwen35_accel.model import kernel_functions
 from qwen35_accel.ops import kernels
 from qwen35_accel.ops.causal_conv import select_conv_kernel, torch_conv_kernel
 from qwen35_accel.ops.gated_delta import fla_kernel, select_kernel, torch_kernel
@@ -77,7 +77,7 @@ def test_fla_that_raises_on_import_is_reported_and_not_used(on_path):
     assert fla_kernel() is None and select_kernel(CUDA) is torch_kernel()
     # Transformers, deciding at its import, took its torch fallback (which raises on cu_seqlens):
     # packed rows must not be handed to it.
-    assert not fp32_gate._varlen_kernel("fla", CUDA_TENSOR)
+    assert not kernel_functions.varlen_kernel("fla", CUDA_TENSOR)
 
 
 def test_causal_conv1d_that_raises_oserror_on_import_is_reported_and_not_used(on_path):
@@ -88,7 +88,7 @@ def test_causal_conv1d_that_raises_oserror_on_import_is_reported_and_not_used(on
     found = kernels.conv_status()
     assert not found.usable and "does not import: OSError: causal_conv1d_cuda.so: undefined symbol" in found.reason
     assert select_conv_kernel(CUDA) is torch_conv_kernel
-    assert not fp32_gate._varlen_kernel("causal_conv1d", CUDA_TENSOR)
+    assert not kernel_functions.varlen_kernel("causal_conv1d", CUDA_TENSOR)
     line = next(line for line in kernels.describe(cuda=True) if line.strip().startswith("causal-conv1d"))
     assert "does not import" in line
 
@@ -122,9 +122,9 @@ def test_without_causal_conv1d_the_conv_takes_flas_triton_conv_where_it_takes_cu
     assert kernels.conv_package(CUDA) == "fla_conv" and select_conv_kernel(CUDA) is fla_conv_kernel
     assert kernels.conv_package(torch.device("cpu")) is None and select_conv_kernel(torch.device("cpu")) is torch_conv_kernel
     # Our layer without CP: FLA's conv instead of Transformers' torch fallback, packed rows through it with seq_idx.
-    assert fp32_gate._kernel("causal_conv1d_fn", "causal_conv1d", CUDA_TENSOR) is fla_conv_kernel
-    assert fp32_gate._varlen_kernel("causal_conv1d", CUDA_TENSOR)
-    assert fp32_gate._kernel("causal_conv1d_update", "causal_conv1d", CUDA_TENSOR) is not fla_conv_kernel  # decoding keeps Transformers'
+    assert kernel_functions.kernel_function("causal_conv1d_fn", "causal_conv1d", CUDA_TENSOR) is fla_conv_kernel
+    assert kernel_functions.varlen_kernel("causal_conv1d", CUDA_TENSOR)
+    assert kernel_functions.kernel_function("causal_conv1d_update", "causal_conv1d", CUDA_TENSOR) is not fla_conv_kernel  # decoding keeps Transformers'
     with caplog.at_level(logging.WARNING, logger=kernels.__name__):
         summary = kernels.run_summary(CUDA)
     assert "conv flash-linear-attention 0.6.0 (Triton conv)" in summary and "causal conv" not in caplog.text
@@ -182,14 +182,14 @@ def test_where_transformers_calls_fla_our_layer_takes_it_only_on_cuda_and_only_a
     kernels.transformers_uses = lambda package: package == "fla"  # restored below, before the fixture resets the caches
     try:
         name = "torch_chunk_gated_delta_rule"
-        on_cuda = fp32_gate._kernel(name, "fla", CUDA_TENSOR)
+        on_cuda = kernel_functions.kernel_function(name, "fla", CUDA_TENSOR)
         assert (on_cuda is getattr(hf, name)) == (version == "0.5.2")
-        on_cpu = fp32_gate._kernel(name, "fla", torch.zeros(1))
+        on_cpu = kernel_functions.kernel_function(name, "fla", torch.zeros(1))
         assert on_cpu is not getattr(hf, name) and kernels.unwrap_function(on_cpu) is kernels.unwrap_function(getattr(hf, name))
         with pytest.raises(ValueError, match="cannot keep packed documents apart"):
             on_cpu(*[torch.zeros(1, 4, 1, 2)] * 3, g=torch.zeros(1, 4, 1), beta=torch.ones(1, 4, 1), cu_seqlens=torch.tensor([0, 4]))
         # As resolved (the torch fallback), unwrapped: Transformers' wrapper is a `kernels` Func module torch.compile cannot trace.
-        conv = fp32_gate._kernel("causal_conv1d_fn", "causal_conv1d", CUDA_TENSOR)
+        conv = kernel_functions.kernel_function("causal_conv1d_fn", "causal_conv1d", CUDA_TENSOR)
         assert conv is not hf.causal_conv1d_fn and kernels.unwrap_function(conv) is kernels.unwrap_function(hf.causal_conv1d_fn)
     finally:
         kernels.transformers_uses = real

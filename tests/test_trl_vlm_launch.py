@@ -14,7 +14,7 @@ The fused head × model class × layout matrix TRL's trainers reach, and where e
 
 | fused-head caller | causal LM | VLM, text rows | VLM, images |
 |---|---|---|---|
-| SFT, Trainer-sharded rows | cp2, dp2×cp2, dp2×tp2, vocab-parallel (test_trl_launch) | cp2 (here) | cp2, dp2×cp2 (here) |
+| SFT, Trainer-sharded rows | cp2, dp2×cp2, dp2×tp2, vocab-parallel (test_trl_launch) | cp2 (here) | cp2, dp2×cp2, cp2×tp2 (here) |
 | DPO/KTO, whole rows | cp2, cp2×tp2 (test_trl_preference_launch) | not tested | not tested |
 | GRPO/RLOO, whole rows | cp2, dp2×cp2, dp2×tp2 (test_trl_sampling_launch) | not tested | refused under cp (trl_sampling) |
 
@@ -41,6 +41,9 @@ register(**{
     # The VLM's loss is each data-parallel rank's mean (stock): dp 2 × cp 2's oracle is dp 2.
     "trl_vlm/dp2": Run("cpu_fsdp2.yaml", SCRIPT, ("{out}", "2")),
     "trl_vlm/dp2xcp2": Run("cpu_fsdp2_dp2_cp2.yaml", SCRIPT, ("{out}", "2")),
+    # The 4-rank config with dp_shard 1 and tp 2: cp 2 x tp 2, one replica (one process's batch).
+    "trl_vlm/cp2xtp2": Run("cpu_fsdp2_dp2_cp2.yaml", SCRIPT, ("{out}", "2"),
+                           env={"PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "PARALLELISM_CONFIG_TP_SIZE": "2"}),
 })
 
 
@@ -57,6 +60,8 @@ def assert_trained_alike(got, want) -> None:
     pytest.param("trl_vlm/cp2", "trl_vlm/single", marks=pytest.mark.launches("trl_vlm/single", "trl_vlm/cp2"), id="cp2-images"),
     pytest.param("trl_vlm/cp2-text", "trl_vlm/single-text",
                  marks=pytest.mark.launches("trl_vlm/single-text", "trl_vlm/cp2-text"), id="cp2-text-rows"),
+    pytest.param("trl_vlm/cp2xtp2", "trl_vlm/single", marks=pytest.mark.launches("trl_vlm/single", "trl_vlm/cp2xtp2"),
+                 id="cp2xtp2-images"),
     pytest.param("trl_vlm/dp2xcp2", "trl_vlm/dp2", marks=pytest.mark.launches("trl_vlm/dp2", "trl_vlm/dp2xcp2"),
                  id="dp2xcp2-images"),
 ])

@@ -180,12 +180,30 @@ def trl_generate_without_cp(original: Callable[..., Any]) -> Callable[..., Any]:
                 from ..parallel.gathered_generation import units_gathered
 
                 stack.enter_context(context_parallel_paused(self.model_wrapped))
-                stack.enter_context(units_gathered(self.model_wrapped, self.accelerator.device))
+                stack.enter_context(units_gathered(self.model_wrapped, self.accelerator.device, _cache_bytes(self, args, kwargs)))
             if not split:
                 return original(self, *args, **kwargs)
             return _generate_split(self, original, args, kwargs)
 
     return wrapper
+
+
+def _cache_bytes(trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The generation cache this call's rows need (`generation_cache_bytes`): its prompts (TRL's
+    `prompt_ids`, lists of token ids) each with `max_completion_length` new tokens, in the
+    parameters' dtype, split over tp."""
+    from ..model.detect import unwrap_qwen35
+    from ..parallel.gathered_generation import generation_cache_bytes
+
+    prompts = kwargs.get("prompt_ids", args[0] if args else None)
+    if not prompts:
+        return 0
+    model = unwrap_qwen35(trainer.model)
+    tokens = max(len(p) for p in prompts) + (getattr(trainer.args, "max_completion_length", None) or 0)
+    dtype = next(model.parameters()).dtype
+    mesh = getattr(trainer.accelerator, "torch_device_mesh", None)
+    tp = mesh_dim_size(mesh, "tp") if mesh is not None else 1
+    return generation_cache_bytes(model.config, len(prompts), tokens, dtype, tp)
 
 
 def _per_row_sampling(trainer: Any) -> bool:

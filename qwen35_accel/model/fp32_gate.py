@@ -14,7 +14,6 @@ accepts those names (from unmodified checkpoints, in any floating dtype).
 
 from __future__ import annotations
 
-import functools
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,11 +24,12 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from ..ops import kernels
 from ..ops.causal_conv import fla_conv_kernel
 from ..ops.documents import per_document
 from .checkpoint_gates import restore_checkpoint_gates
 from .hub_kernels import swap_class, turn_off_hub_kernels
+from .kernel_functions import kernel_function as _kernel
+from .kernel_functions import varlen_kernel as _varlen_kernel
 from .packing import install_packing_hook
 
 # Transformers >= 5.25 splits off the tokens whose states a cache recording its past keeps (assisted
@@ -40,72 +40,6 @@ KEEPS_STATES = hasattr(Cache, "get_recurrent_states_to_keep")
 HOLDER_NAME = "_fp32_params"
 RESTORED_GATES_ATTR = "_qwen35_restored_gates"  # how many gate tensors took the checkpoint's values back
 GATE_PARAM_NAMES = ("A_log", "dt_bias")
-
-
-def _varlen_kernel(package: str, x: torch.Tensor) -> bool:
-    """Whether packed rows go to a varlen kernel: FLA's rule (`cu_seqlens`, through Transformers'
-    function) or a conv kernel (`seq_idx`: Transformers' causal-conv1d function, or FLA's Triton
-    conv where that is the chosen one, `kernels.conv_package`). The package must take `x`'s
-    device (`kernels.takes_kernel`: CUDA), be usable and be what Transformers calls (its torch
-    fallbacks raise on those arguments). Elsewhere every document runs alone (`per_document`)."""
-    if package == "causal_conv1d" and kernels.conv_package(x.device) == "fla_conv":
-        return True
-    return kernels.takes_kernel(package, x.device) and kernels.varlen_ok(package)
-
-
-def _kernel(name: str, package: str, x: torch.Tensor) -> Callable[..., Any]:
-    """Transformers' kernel function `name` as Transformers resolved it (`package`'s kernel,
-    or its torch fallback), except where it resolved to `package` and that cannot serve `x`:
-    off CUDA (the packages' kernels are CUDA-only, Transformers calls them on any device), or
-    `package` found unusable by `ops.kernels` (older than `MIN_FLA`, its backward would raise).
-    Then the torch function under it. The conv (`causal_conv1d_fn`) takes FLA's Triton conv
-    instead of any torch function where that is usable (`kernels.conv_package`)."""
-    source = _kernel_source(name, package, str(x.device))
-    if source == "transformers":
-        return getattr(hf, name)
-    if source == "fla_conv":
-        return fla_conv_kernel
-    # The plain torch function, not Transformers' wrapper of it: with `kernels` 0.19 that is an
-    # nn.Module instance (`Func`) calling the decorated function, which torch.compile cannot trace
-    # ("Expected CellVariable ... in load_cell"); the function under it is the same computation.
-    return _torch_function(name)
-
-
-@torch.compiler.assume_constant_result
-def _kernel_source(name: str, package: str, device: str) -> str:
-    """Where `_kernel` takes `name` from for tensors on `device`: "transformers" (what Transformers
-    calls: the package's kernel, or a wrapper that does not show its choice), "fla_conv" or "torch".
-    A constant to torch.compile (computed when traced, not traced: it reads Transformers' closures)."""
-    decided = kernels.transformers_uses(package)
-    on = torch.device(device)
-    if decided is True and kernels.takes_kernel(package, on) and kernels.status(package).usable:
-        return "transformers"
-    if name == "causal_conv1d_fn" and kernels.conv_package(on) == "fla_conv":
-        return "fla_conv"
-    return "transformers" if decided is None else "torch"
-
-
-_TORCH_FUNCTIONS: dict[str, Callable[..., Any]] = {}
-
-
-def _torch_function(name: str) -> Callable[..., Any]:
-    """The torch function under Transformers' `name`, refusing packed-row arguments as
-    Transformers' own fallback does (the function itself ignores them). Made once per name (a
-    plain dict: torch.compile traces through it without the warning `functools.cache` gives)."""
-    if name not in _TORCH_FUNCTIONS:
-        _TORCH_FUNCTIONS[name] = _refusing_packed_rows(name, kernels.unwrap_function(getattr(hf, name)))
-    return _TORCH_FUNCTIONS[name]
-
-
-def _refusing_packed_rows(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(function)
-    def refusing_packed_rows(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
-            raise ValueError(f"`{name}` runs in plain torch here, which cannot keep packed documents apart "
-                             "(`cu_seqlens` / `seq_idx`); `qwen35-accel env` says why the CUDA kernel is not used")
-        return function(*args, **kwargs)
-
-    return refusing_packed_rows
 
 
 class GateInput:

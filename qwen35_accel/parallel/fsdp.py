@@ -46,7 +46,8 @@ class UnitRecord:
 
     `modules` are the modules `fully_shard` was called on (several for the tail),
     `param_names[i]` the names, relative to `modules[i]`, of the parameters the unit
-    manages, `mp_policy` its policy. The prefetch lists are what `set_layer_prefetch`
+    manages, `mp_policy` its policy, `reshard_after_forward` the value it was made with
+    (FSDP2's meaning; None: its default). The prefetch lists are what `set_layer_prefetch`
     set on the unit. Introspection (`describe_units`, `describe_prefetch`, `plan`) reads
     these instead of FSDP2's private state.
     """
@@ -54,6 +55,7 @@ class UnitRecord:
     modules: list[nn.Module]
     param_names: list[list[str]]
     mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool | int | None = None
     forward_prefetch: list[UnitRecord] = dataclasses.field(default_factory=list)
     backward_prefetch: list[UnitRecord] = dataclasses.field(default_factory=list)
 
@@ -89,7 +91,7 @@ def shard_unit(
     if ignored:
         kwargs["ignored_params"] = ignored
     unit = fully_shard(modules, mp_policy=mp_policy, **kwargs)
-    record = UnitRecord(mods, names, mp_policy)
+    record = UnitRecord(mods, names, mp_policy, kwargs.get("reshard_after_forward"))  # type: ignore[arg-type]
     for m in mods:
         m.__dict__[_RECORD] = record
     return unit

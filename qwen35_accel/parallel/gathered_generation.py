@@ -3,12 +3,17 @@
 A cached generation runs one forward per new token, and FSDP2 all-gathers every unit in each
 forward (and reshards it after, `reshard_after_forward`): a model's worth of all-gathers per
 token. `units_gathered(model)` unshards every unit once, keeps them unsharded through the
-block (no reshard after forward) and reshards them after, when the unsharded parameters fit
-(`gathering_fits`): on CUDA, what the unsharding adds against the device's free memory; on
-CPU, against the host's available memory. Every rank takes the same decision (a MIN over the
-default group): a rank that gathered per forward while another did not would issue
-collectives the other never matches. Numerically nothing changes: the same gathered
-parameters, in the policy's `param_dtype`, compute every forward.
+block (no reshard after forward) and reshards them after, when the unsharded parameters and
+the generation's cache fit (`gathering_fits`): on CUDA, against the device's free memory
+counting what the caching allocator holds unused as free; on CPU, against the host's
+available memory. Every rank takes the same decision (a MIN over the default group): a rank
+that gathered per forward while another did not would issue collectives the other never
+matches. Numerically nothing changes: the same gathered parameters, in the policy's
+`param_dtype`, compute every forward.
+
+Only FSDP2's public API is used (`FSDPModule.set_reshard_after_forward`, `unshard`, `reshard`),
+with what qwen35_accel recorded when it made each unit (`parallel/fsdp.UnitRecord`: the
+parameters, the policy's `param_dtype`, the `reshard_after_forward` to restore).
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from .fsdp import UnitRecord, unit_record
+
 logger = logging.getLogger(__name__)
 
-# Of the free memory, what the gathered parameters may take (the rest: the cache, the logits, the
-# allocator's fragmentation).
+# Of the free memory, what the gathered parameters and the cache may take (the rest: the logits,
+# the allocator's fragmentation).
 FREE_MEMORY_SHARE = 0.8
 _said: set[str] = set()
 
@@ -35,83 +42,107 @@ def _units(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def _records(units: list[FSDPModule]) -> list[UnitRecord] | None:
+    """Each unit's record (a unit of several modules once), or None where a unit was not made by
+    qwen35_accel (its policy and settings are then unknown here)."""
+    records: dict[int, UnitRecord] = {}
+    for unit in units:
+        record = unit_record(unit)
+        if record is None:
+            return None
+        records.setdefault(id(record), record)
+    return list(records.values())
+
+
 def unsharding_bytes(model: nn.Module) -> int:
     """Bytes the unsharding of `model`'s FSDP2 units adds on this rank: each parameter's
     unsharded size in its unit's `param_dtype` (FSDP2's all-gather dtype); the shards stay
-    allocated beside them."""
+    allocated beside them. 0 where a unit was not made by qwen35_accel."""
     total = 0
-    for unit in _units(model):
-        state = unit._get_fsdp_state()
-        for group in state._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
-                total += fsdp_param._orig_size.numel() * dtype.itemsize
+    for record in _records(_units(model)) or []:
+        for param in record.parameters():  # a DTensor's numel is the unsharded one
+            total += param.numel() * (record.mp_policy.param_dtype or param.dtype).itemsize
     return total
 
 
-def _free_bytes(device: torch.device) -> int:
+def free_bytes(device: torch.device) -> int:
+    """What this rank can still allocate on `device`: on CUDA the driver's free memory plus what
+    torch's caching allocator reserved and does not use (after a training step most of a step's
+    peak stays reserved; `mem_get_info` counts it as used); on the host, the available memory."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 0
 
 
-def gathering_fits(model: nn.Module, device: torch.device) -> tuple[bool, int, int]:
-    """(whether every rank can hold `model`'s units unsharded, the bytes that adds here, the free
-    bytes here). Collective over the default group when it is initialised."""
-    needed, free = unsharding_bytes(model), _free_bytes(device)
+def gathering_fits(model: nn.Module, device: torch.device, cache_bytes: int = 0) -> tuple[bool, int, int]:
+    """(whether every rank can hold `model`'s units unsharded beside a generation cache of
+    `cache_bytes`, the bytes that adds here, the free bytes here). Collective over the default
+    group when it is initialised."""
+    needed, free = unsharding_bytes(model) + cache_bytes, free_bytes(device)
     fits = torch.tensor([int(needed <= FREE_MEMORY_SHARE * free)], device=device if device.type == "cuda" else "cpu")
     if dist.is_initialized():
         dist.all_reduce(fits, op=dist.ReduceOp.MIN)
     return bool(fits.item()), needed, free
 
 
-def _supported(units: list[FSDPModule]) -> bool:
-    """Whether this torch's FSDP2 has the names `units_gathered` uses (read from torch 2.11–2.15)."""
-    return all(hasattr(u, "_get_fsdp_state") for u in units) and all(
-        all(hasattr(u._get_fsdp_state(), name) for name in ("_fsdp_param_groups", "_auto_reshard_after_forward", "_lazy_init"))
-        for u in units
-    )
+def generation_cache_bytes(config: object, rows: int, tokens: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """Bytes of Transformers' Qwen3.5 cache on this rank for `rows` sequences of up to `tokens`
+    tokens (prompt and completion): the full-attention layers' keys and values in `dtype`, the
+    GatedDeltaNet layers' conv windows in `dtype` and recurrent states in fp32 (an upper bound:
+    they follow the compute dtype), each split over `tp` ranks by heads. `config`: the model's
+    config (a VLM's text config is read)."""
+    text = config.get_text_config()  # type: ignore[attr-defined]
+    full = sum(kind == "full_attention" for kind in text.layer_types)
+    linear = len(text.layer_types) - full
+    keys_values = 2 * text.num_key_value_heads * text.head_dim * tokens * dtype.itemsize
+    conv_dim = 2 * text.linear_num_key_heads * text.linear_key_head_dim + text.linear_num_value_heads * text.linear_value_head_dim
+    conv = conv_dim * text.linear_conv_kernel_dim * dtype.itemsize
+    recurrent = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim * 4
+    return rows * (full * keys_values + linear * (conv + recurrent)) // tp
+
+
+def _resting(record: UnitRecord, root: bool) -> bool | None:
+    """The `reshard_after_forward` a unit returns to after the block: the root stays gathered
+    after forward (what FSDP2's root initialisation makes it), another unit its recorded value
+    (None: FSDP2's default, True); None where that is an int (HSDP's partial reshard), which the
+    public setter does not take."""
+    if root:
+        return False
+    value = True if record.reshard_after_forward is None else record.reshard_after_forward
+    return value if isinstance(value, bool) else None
 
 
 @contextlib.contextmanager
-def units_gathered(model: nn.Module, device: torch.device) -> Iterator[bool]:
+def units_gathered(model: nn.Module, device: torch.device, cache_bytes: int = 0) -> Iterator[bool]:
     """For the block, `model`'s FSDP2 units unsharded once and kept so (see module doc), where
-    they fit; else FSDP2's per-forward gathering. Yields which. Logs the choice once per process."""
+    they and a cache of `cache_bytes` fit; else FSDP2's per-forward gathering. Yields which.
+    Logs the choice once per process."""
     units = _units(model)
-    if not units or not _supported(units):
+    resting = [_resting(r, root=i == 0) for i, r in enumerate(map(unit_record, units))] if _records(units) else None
+    if not units or resting is None or None in resting:
         yield False
         return
-    # The root's lazy initialisation (what its first forward does) first: it sets each parameter's
-    # dtypes, makes the outermost unit the root and clears the root's reshard-after-forward.
-    units[0]._get_fsdp_state()._lazy_init()
-    fits, needed, free = gathering_fits(model, device)
+    fits, needed, free = gathering_fits(model, device, cache_bytes)
     choice = "once per generate call" if fits else "per forward (FSDP2's default)"
     if choice not in _said and (not dist.is_initialized() or dist.get_rank() == 0):
         _said.add(choice)
-        logger.warning("qwen35_accel: generation gathers the parameters %s: unsharded they take %.2f GiB more on rank 0, "
-                       "%.2f GiB free there (every rank agreed)", choice, needed / 2**30, free / 2**30)
+        logger.warning("qwen35_accel: generation gathers the parameters %s: unsharded, with the cache, they take %.2f GiB "
+                       "more on rank 0, %.2f GiB free there (every rank agreed)", choice, needed / 2**30, free / 2**30)
     if not fits:
         yield False
         return
-    saved = []
     for unit in units:
-        state = unit._get_fsdp_state()
-        saved.append((state, state._auto_reshard_after_forward,
-                       [(group, group.post_forward_mesh_info) for group in state._fsdp_param_groups]))
-        state._auto_reshard_after_forward = False
-        for group in state._fsdp_param_groups:
-            group.post_forward_mesh_info = None  # no reshard after forward
+        unit.set_reshard_after_forward(False, recurse=False)
     try:
         for unit in units:
             unit.unshard()
         yield True
     finally:
-        for state, auto, groups in saved:
-            state._auto_reshard_after_forward = auto
-            for group, info in groups:
-                group.post_forward_mesh_info = info
+        for unit, value in zip(units, resting):
+            unit.set_reshard_after_forward(value, recurse=False)
         for unit in units:
             unit.reshard()

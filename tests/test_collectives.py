@@ -35,6 +35,12 @@ def _check_collectives(rank: int, world: int, group) -> None:
     for all_to_all in (None, True, False):  # None: by backend (gloo: all-to-all); False: NCCL's branch
         got = c.reduce_scatter_stack(stacks[rank].clone(), group, all_to_all=all_to_all)
         assert torch.equal(got, expected), (all_to_all, got, expected)
+    # bf16 (CP's dK/dV): every branch sums in fp32 and rounds once (NCCL's own bf16 reduce-scatter
+    # rounds at each ring step; the flat branch widens to fp32 beyond 2 ranks).
+    small = [torch.full((world, 3), 1.0 if r == 0 else 2.0**-9, dtype=torch.bfloat16) for r in range(world)]
+    once = sum(t[rank].float() for t in small).bfloat16()
+    for all_to_all in (True, False):
+        assert torch.equal(c.reduce_scatter_stack(small[rank].clone(), group, all_to_all=all_to_all), once), all_to_all
     # torch 2.11/2.12: only the older names exist; the resolver falls back and they compute the same.
     older = types.SimpleNamespace(reduce_scatter_tensor=dist.reduce_scatter_tensor, all_gather_into_tensor=dist.all_gather_into_tensor)
     newer = types.SimpleNamespace(reduce_scatter_single=dist.reduce_scatter_single, reduce_scatter_tensor=None)

@@ -96,11 +96,20 @@ def reduce_scatter_stack(stack: torch.Tensor, group: dist.ProcessGroup, *, all_t
     if all_to_all:
         received = torch.empty_like(stack)
         dist.all_to_all_single(received, stack, group=group)
-        return received.sum(dim=0)
-    out = stack.new_empty(stack.shape[1:])
+        return received.sum(dim=0, dtype=torch.float32).to(stack.dtype) if _below_fp32(stack) else received.sum(dim=0)
+    # NCCL sums a bf16/fp16 reduce-scatter in that dtype, rounding at every step of its ring: with
+    # more than 2 ranks the sum then depends on the ring's order. Summed in fp32 and rounded once,
+    # it is what gloo's path gives (twice the bytes for those dtypes).
+    widen = _below_fp32(stack) and stack.shape[0] > 2
+    send = stack.float() if widen else stack
+    out = send.new_empty(send.shape[1:])
     # The concatenated form (input dim 0 = world × output dim 0) is the one every backend takes.
-    reduce_scatter_flat(out.view(-1), stack.view(-1), group=group)
-    return out
+    reduce_scatter_flat(out.view(-1), send.view(-1), group=group)
+    return out.to(stack.dtype) if widen else out
+
+
+def _below_fp32(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in (torch.bfloat16, torch.float16)
 
 
 class _AllGather(torch.autograd.Function):

@@ -332,3 +332,90 @@ def test_offload_unpacks_a_group_out_of_order_or_twice():
     stats = offload.stats
     assert (stats.moved_tensors, stats.prefetched_tensors, stats.unprefetched_tensors) == (2, 0, 4), stats
     assert stats.order == [("unpack", 0), ("unpack", 1)], stats.order
+
+
+class _DeferredStream:
+    """A stream whose queued copies run only when an event recorded after them is waited on (or a
+    later copy needs them): what a CUDA side stream may do, made visible on CPU."""
+
+    def __init__(self) -> None:
+        self.queue: list = []
+        self.done = 0
+
+    def record_event(self):
+        return (self, len(self.queue))
+
+    def wait_event(self, event) -> None:
+        stream, upto = event
+        while stream.done < upto:
+            stream.queue[stream.done]()
+            stream.done += 1
+
+
+def _deferred_streams():
+    from qwen35_accel.parallel.activation_offload import DeviceStreams
+
+    class DeferredStreams(DeviceStreams):
+        def __init__(self) -> None:
+            super().__init__()
+            self.side_stream, self.current_stream = _DeferredStream(), _DeferredStream()
+
+        def side(self, device):
+            return self.side_stream if device.type == "cpu" else None
+
+        def current(self, device):
+            return self.current_stream
+
+        def copy_into(self, stream, destination, source):
+            stream.queue.append(lambda: destination.copy_(source))
+            return stream.record_event()
+
+        def copy_to_device(self, stream, host, device):
+            stream.wait_event(stream.record_event())  # in stream order: after the copies out
+            return host.clone(), stream.record_event()
+
+        def keep_until_done(self, tensor, stream) -> None:
+            pass  # CPU memory: nothing to keep
+
+    return DeferredStreams()
+
+
+def test_offload_copies_out_before_a_later_in_place_write_on_a_deferred_stream():
+    """The copy to the host runs on a side stream; a saved input written in place after its
+    layer (autograd's version check is off for packed tensors) must still reach the host as the
+    layer saw it. With a stream whose copies run only when waited on, the layers' recomputes get
+    the values they were called with only if the current stream waits on a layer's copies when
+    its forward ends (before that wait, layers 0 and 1 recomputed with the doubled scale)."""
+    from torch import nn
+
+    from qwen35_accel.parallel.activation_checkpointing import apply_activation_checkpointing
+    from qwen35_accel.parallel.activation_offload import ActivationOffload
+
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(super().forward(x)) * scale
+
+    torch.manual_seed(0)
+    width = 16
+    layers = nn.ModuleList(Scaled(width, width) for _ in range(4))
+    x, scale = torch.randn(8, width), torch.rand(8, width) + 0.5
+    y = x
+    for layer, s in zip(layers, (scale, scale, scale * 2, scale * 2)):  # the reference, unchecked
+        y = layer(y, s)
+    y.square().sum().backward()
+    grads_want = [p.grad.clone() for p in layers.parameters()]
+    layers.zero_grad(set_to_none=True)
+
+    streams = _deferred_streams()
+    offload = ActivationOffload(pin_memory=False, always_copy=True, streams=streams)
+    apply_activation_checkpointing(layers, offload)
+    shared = scale.clone()
+    y = x
+    for i, layer in enumerate(layers):
+        if i == 2:
+            shared.mul_(2)  # in place, after layers 0 and 1 saved it
+        y = layer(y, shared)
+    assert offload.stats.moved_tensors == 6 and streams.side_stream.queue  # the copies went through the side stream
+    y.square().sum().backward()
+    for got, want_grad in zip(layers.parameters(), grads_want):
+        assert torch.equal(got.grad, want_grad)

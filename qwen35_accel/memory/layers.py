@@ -146,12 +146,20 @@ def layer_activations(shape: ModelShape, kind: str, parallel: Parallel, options:
 OFFLOAD_IN_FLIGHT = 2
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """What torch's caching host allocator takes for a pinned buffer of `nbytes`: each block is
+    rounded up to a power of two (a 1.25 GiB layer input takes 2 GiB of pinned memory)."""
+    return 1 << max(0, nbytes - 1).bit_length()
+
+
 def host_activations(shape: ModelShape, parallel: Parallel, options: StepOptions) -> int:
     """Bytes of host memory a rank holds with activation offload: every checkpointed layer's
-    input hidden states (0 without offload)."""
+    input hidden states (0 without offload), on a GPU in pinned buffers, each rounded up to a
+    power of two (`pinned_bytes`); on the host nothing is copied."""
     if not options.activation_offload:
         return 0
-    return shape.layers * options.batch_size * options.seq_len // parallel.cp * shape.hidden * options.compute_bytes
+    per_layer = options.batch_size * options.seq_len // parallel.cp * shape.hidden * options.compute_bytes
+    return shape.layers * (per_layer if options.device == "cpu" else pinned_bytes(per_layer))
 
 
 def activations(shape: ModelShape, parallel: Parallel, options: StepOptions) -> int:

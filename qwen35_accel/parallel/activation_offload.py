@@ -13,7 +13,10 @@ On a device with streams (CUDA, XPU: `torch.get_device_module(device).Stream`) t
 one side stream per device, so they overlap the layers' compute and the host never waits:
 - to the host: the side stream waits on an event recorded on the current stream (the saved
   input is complete), copies into a pinned buffer, and the input is `record_stream`ed on the side
-  stream, so the allocator does not hand its memory out again before the copy has read it;
+  stream, so the allocator does not hand its memory out again before the copy has read it. When
+  the layer's forward ends, the current stream waits on the layer's copies: a later kernel that
+  writes a saved input in place (autograd's version check is off for tensors that saved-tensor
+  hooks pack) cannot run before the copy has read it; the copies overlap the layer's own compute;
 - back: the saved inputs of one layer call form a group, linked to the call before it in the same
   forward (a weak reference: a group lives exactly as long as autograd holds its saved tensors).
   When backward unpacks layer i's group (its recompute starts), layer i-1's group is copied back on
@@ -23,11 +26,15 @@ one side stream per device, so they overlap the layers' compute and the host nev
   group drops each prefetched tensor as it hands it over. The last layer's group (the first that
   backward unpacks), a group unpacked again or out of order, is copied back on the current stream
   after its copy to the host (waited on by event): correct in any order.
-- A tensor object saved by several layer calls of one forward (the rotary cos/sin that
-  Transformers passes to every layer) is copied to the host once: matched by identity (a weak
-  reference to it, so a reused `id` never matches) and by `_version` (not modified in place since).
-On CPU (`always_copy`: tests and benchmarks) and on devices without streams the same bookkeeping
-runs with plain copies on the current stream. Tensors already on the host (CPU runs) otherwise
+- A tensor object saved by several layer calls of one forward, as a positional input, is copied
+  to the host once: matched by identity (a weak reference to it, so a reused `id` never matches)
+  and by `_version` (not modified in place since). Transformers' Qwen3.5 decoder layers take their
+  rotary cos/sin by keyword, which the checkpoint keeps in its recompute closure, not through
+  these hooks: for them nothing is deduplicated (each layer's hidden states are its own).
+The stream operations go through one object (`DeviceStreams`; `ActivationOffload(streams=…)`), so
+a CPU test can stand a stream whose copies run only when waited on in for the device's, and see
+the ordering. On CPU (`always_copy`: tests and benchmarks) and on devices without streams the same
+bookkeeping runs with plain copies on the current stream. Tensors already on the host (CPU runs) otherwise
 stay where they are: the same code runs, nothing moves, results are exact. The side-stream path
 needs a GPU: the tests here run the CPU path (the same groups, prefetch order and dedupe).
 """
@@ -68,6 +75,41 @@ class OffloadStats:
     order: list[tuple[str, int]] | None = None
 
 
+class DeviceStreams:
+    """The stream operations of `ActivationOffload` on a device's own streams (CUDA, XPU): one side
+    stream per device (None for the host, meta and devices without streams), the current stream,
+    copies issued on a stream with an event after them, and `record_stream`."""
+
+    def __init__(self) -> None:
+        self._side: dict[torch.device, Any] = {}
+
+    def side(self, device: torch.device) -> Any:
+        if device.type in ("cpu", "meta"):
+            return None
+        if device not in self._side:
+            module = torch.get_device_module(device)
+            self._side[device] = module.Stream(device=device) if hasattr(module, "Stream") else None
+        return self._side[device]
+
+    def current(self, device: torch.device) -> Any:
+        return torch.get_device_module(device).current_stream(device)
+
+    def copy_into(self, stream: Any, destination: torch.Tensor, source: torch.Tensor) -> Any:
+        """`destination.copy_(source)` issued on `stream`; returns the event recorded after it."""
+        with torch.get_device_module(source.device).stream(stream):
+            destination.copy_(source, non_blocking=True)
+            return stream.record_event()
+
+    def copy_to_device(self, stream: Any, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """`host` copied to `device` on `stream`: (the new tensor, the event after the copy)."""
+        with torch.get_device_module(device).stream(stream):
+            return host.to(device, non_blocking=True), stream.record_event()
+
+    def keep_until_done(self, tensor: torch.Tensor, stream: Any) -> None:
+        """The allocator keeps `tensor`'s memory until the work queued on `stream` so far is done."""
+        tensor.record_stream(stream)
+
+
 class _HostCopy:
     """One saved tensor in host memory: `host`, the `device` it returns to, and `copied`, the side
     stream's event after the copy (None: a copy on the current stream, ordered by it)."""
@@ -102,13 +144,14 @@ class ActivationOffload:
     the layer calls until a layer is called again (which starts the next forward's chain).
     """
 
-    def __init__(self, pin_memory: bool = True, always_copy: bool = False, record_order: bool = False) -> None:
+    def __init__(self, pin_memory: bool = True, always_copy: bool = False, record_order: bool = False,
+                 streams: DeviceStreams | None = None) -> None:
         self.pin_memory = pin_memory
         self.always_copy = always_copy  # tests: copy host tensors too, so the copy path runs on CPU
         self.record_order = record_order  # tests: `stats.order`
+        self.streams = streams or DeviceStreams()
         self.reset()
-        self._entered: dict[int, list[Any]] = {}
-        self._streams: dict[torch.device, Any] = {}  # the side stream per device
+        self._entered: dict[int, list[tuple[Any, _LayerCall]]] = {}
         self._chain: set[int] = set()  # the layers called so far in this forward
         self._last: weakref.ref | None = None  # this forward's latest layer call (autograd keeps it alive, not we)
         # id(tensor) -> (weak reference to it, its _version, weak reference to its host copy): this forward's copies
@@ -138,22 +181,17 @@ class ActivationOffload:
         self._last = weakref.ref(call)
         hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self.pack, call), self.unpack)
         hooks.__enter__()
-        self._entered.setdefault(id(layer), []).append(hooks)
+        self._entered.setdefault(id(layer), []).append((hooks, call))
 
     def _leave(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         stack = self._entered.get(id(layer))
         if stack:
-            stack.pop().__exit__(None, None, None)
-
-    def _side_stream(self, device: torch.device) -> Any:
-        """The side stream of `device`, created on first use; None for the host (CPU, meta) and
-        for devices without streams."""
-        if device.type in ("cpu", "meta"):
-            return None
-        if device not in self._streams:
-            module = torch.get_device_module(device)
-            self._streams[device] = module.Stream(device=device) if hasattr(module, "Stream") else None
-        return self._streams[device]
+            hooks, call = stack.pop()
+            hooks.__exit__(None, None, None)
+            # What runs after this layer may write its saved inputs in place: not before their copies.
+            for copy in call.copies:
+                if copy.copied is not None:
+                    self.streams.current(copy.device).wait_event(copy.copied)
 
     def pack(self, call: _LayerCall, tensor: torch.Tensor) -> Any:
         nbytes = tensor.numel() * tensor.element_size()
@@ -182,18 +220,15 @@ class ActivationOffload:
 
     def _copy_out(self, tensor: torch.Tensor) -> _HostCopy:
         device = tensor.device
-        stream = self._side_stream(device)
+        stream = self.streams.side(device)
         host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout,
                            pin_memory=self.pin_memory and stream is not None)
         if stream is None:  # the host, or a device without streams: on the current stream, in its order
             host.copy_(tensor, non_blocking=device.type != "cpu")
             return _HostCopy(host, device, None)
-        module = torch.get_device_module(device)
-        stream.wait_event(module.current_stream(device).record_event())  # the saved input is complete
-        with module.stream(stream):
-            host.copy_(tensor, non_blocking=True)
-            copied = stream.record_event()
-        tensor.record_stream(stream)  # its memory is not reused before the copy has read it
+        stream.wait_event(self.streams.current(device).record_event())  # the saved input is complete
+        copied = self.streams.copy_into(stream, host, tensor)
+        self.streams.keep_until_done(tensor, stream)  # its memory is not reused before the copy has read it
         return _HostCopy(host, device, copied)
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -212,30 +247,27 @@ class ActivationOffload:
             return self._copy_back(call.copies[position])
         tensor, ready = fetched
         if ready is not None:
-            current = torch.get_device_module(tensor.device).current_stream(tensor.device)
+            current = self.streams.current(tensor.device)
             current.wait_event(ready)
-            tensor.record_stream(current)  # allocated on the side stream, used and freed on this one
+            self.streams.keep_until_done(tensor, current)  # allocated on the side stream, used and freed on this one
         return tensor
 
     def _prefetch(self, call: _LayerCall) -> None:
         """Copy `call`'s saved inputs back on the side stream (each with its event)."""
         self._record("prefetch", call.index)
         for position, copy in enumerate(call.copies):
-            stream = self._side_stream(copy.device)
+            stream = self.streams.side(copy.device)
             if stream is None:
                 call.prefetched[position] = (self._copy_back(copy), None)
-            else:
-                with torch.get_device_module(copy.device).stream(stream):  # after the copy out: same stream
-                    tensor = copy.host.to(copy.device, non_blocking=True)
-                    call.prefetched[position] = (tensor, stream.record_event())
+            else:  # after the copy out: the same stream
+                call.prefetched[position] = self.streams.copy_to_device(stream, copy.host, copy.device)
             self.stats.prefetched_tensors += 1
             self.stats.prefetched_bytes += copy.host.numel() * copy.host.element_size()
 
-    @staticmethod
-    def _copy_back(copy: _HostCopy) -> torch.Tensor:
+    def _copy_back(self, copy: _HostCopy) -> torch.Tensor:
         """`copy` back to its device on the current stream, after its copy to the host."""
         if copy.copied is not None:
-            torch.get_device_module(copy.device).current_stream(copy.device).wait_event(copy.copied)
+            self.streams.current(copy.device).wait_event(copy.copied)
         return copy.host.to(copy.device, non_blocking=copy.device.type != "cpu", copy=True)
 
     def _record(self, what: str, index: int) -> None:

@@ -118,6 +118,38 @@ def test_plan_27b_config_on_meta_adds_up_to_the_model(tmp_path):
     assert len(p["layers"]) == layers
 
 
+def test_plan_takes_qwen36_27b_as_published_a_qwen3_5_vlm(tmp_path):
+    """Qwen3.6-27B ships as `model_type` `qwen3_5`, `Qwen3_5ForConditionalGeneration`, with its model
+    card's text shape (hidden 5120, 64 layers as 16 x (3 GatedDeltaNet + 1 gated attention), GatedDeltaNet
+    48 value / 16 key heads of 128, attention 24 / 4 heads of 256, rotary 64, FFN 17408, vocab 248320,
+    262,144 positions, rope theta 1e7): the plugin's units and head-parallel TP plan take it as they take
+    Qwen3.5-27B (config only, on meta)."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+
+    layers = 64
+    text = dict(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=layers, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        tie_word_embeddings=False, dtype="bfloat16",
+    )
+    config = Qwen3_5Config(text_config=text, tie_word_embeddings=False)
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    p = cli("plan", "--model", str(tmp_path), "--config", str(CONFIGS / "fsdp2_tp2.yaml"))
+    assert p["architecture"] == "Qwen3_5ForConditionalGeneration" and 26e9 < p["parameters"] < 29e9, p["parameters"]
+    assert len(p["layers"]) == layers and p["mesh"]["tp"] == 2
+    for index, layer in enumerate(p["layers"]):
+        holders = [u for u in layer["units"] if u["modules"][0].endswith("._fp32_params")]
+        if (index + 1) % 4:  # a GatedDeltaNet layer: its fp32 gate holder, this rank's 24 of 48 heads (A_log, dt_bias)
+            assert [(u["storage"], u["compute"], u["params"]) for u in holders] == [("float32", "float32", 48)], layer
+        else:
+            assert not holders, layer
+
+
 def test_plan_counts_activation_offload_and_suggests_it_a_million_tokens_of_27b_on_8_gpus(tmp_path):
     """fsdp2_cp2.yaml at cp 8 (dp_shard 1) with checkpointing: 1,048,576 tokens per row of the 27B-like
     shape do not fit 141 GB per GPU without offload (`--suggest` proposes it), and fit with

@@ -84,6 +84,7 @@ def _worker(rank: int, world: int, cp: int) -> None:
 
     if cp > 1:
         _split_generation_equals_one_process(model, reference, mesh, batch)
+    _replicated_generation_takes_the_group_leaders_completions(model, mesh, rank)
 
     # Replicas: which ranks share a batch and lead their group, on meshes of this world.
     single = replicas(type("A", (), {"torch_device_mesh": mesh})())
@@ -130,6 +131,26 @@ def _split_generation_equals_one_process(model, reference, mesh, batch) -> None:
             want, _ = generate_single_turn(reference_trainer, prompts[:rows], None, {})
         assert got == want, (rows, got, want)
     assert trainer.generation_config is config
+
+
+def _replicated_generation_takes_the_group_leaders_completions(model, mesh, rank: int) -> None:
+    """Replicated generation (TRL's own sampling on every rank of a cp×tp group): where the ranks'
+    decoding differs (on a GPU, a rank's own kernel choice can flip a sampled token), every rank
+    trains on the completions of the group's leading rank. The stand-in for TRL's
+    `_generate_single_turn` returns rank-dependent completions."""
+    import types
+
+    from qwen35_accel.integrations.trl_sampling import trl_generate_without_cp
+
+    def generate_single_turn(self, prompt_ids, images, multimodal_fields):
+        return [[rank + 1] * (i + 2) for i in range(len(prompt_ids))], None
+
+    accelerator = types.SimpleNamespace(torch_device_mesh=mesh, device=torch.device("cpu"), process_index=rank)
+    trainer = types.SimpleNamespace(model=model, model_wrapped=model, accelerator=accelerator,
+                                    args=types.SimpleNamespace(max_completion_length=4))
+    with torch.no_grad():
+        completions, _ = trl_generate_without_cp(generate_single_turn)(trainer, [[5, 6], [7]], None, {})
+    assert completions == [[1, 1], [1, 1, 1]], (rank, completions)  # rank 0's, on every rank
 
 
 @pytest.mark.parametrize("world,cp", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)], ids=["cp2", "cp2xtp2"])

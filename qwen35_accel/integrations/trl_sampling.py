@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..parallel.mesh import has_dim, mesh_dim_size
+from ..parallel.mesh import has_dim, mesh_device, mesh_dim_size
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,8 @@ def trl_generate_without_cp(original: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper of a sampling trainer's `_generate_single_turn` on a dense Qwen3.5 model.
     Under cp or tp: the model's CP paused for the generation (whole sequences and a cache on
     every rank), its FSDP2 units gathered once for the call where they fit (`units_gathered`),
-    not once per new token. With `QWEN35_ACCEL_RL_GENERATION=split` (any world): per-row
+    not once per new token, and the group's leading rank's completions kept on every rank
+    (`_as_the_group_leader_drew`). With `QWEN35_ACCEL_RL_GENERATION=split` (any world): per-row
     sampling, and under cp > 1 each cp rank generating its share of the group's rows
     (`_generate_split`)."""
 
@@ -182,10 +183,29 @@ def trl_generate_without_cp(original: Callable[..., Any]) -> Callable[..., Any]:
                 stack.enter_context(context_parallel_paused(self.model_wrapped))
                 stack.enter_context(units_gathered(self.model_wrapped, self.accelerator.device, _cache_bytes(self, args, kwargs)))
             if not split:
-                return original(self, *args, **kwargs)
+                result = original(self, *args, **kwargs)
+                return result if active is None else _as_the_group_leader_drew(result, self.accelerator.torch_device_mesh)
             return _generate_split(self, original, args, kwargs)
 
     return wrapper
+
+
+def _as_the_group_leader_drew(result: Any, mesh: Any) -> Any:
+    """Replicated generation: every rank of a cp×tp group generated the same rows from the same
+    seed, which gives the same completions only where every rank decodes bit-identically (on a GPU
+    a rank's own kernel choice, Triton's autotuning among them, can flip a sampled token, and the
+    group's ranks would then train on different rows). The group's leading rank (cp and tp
+    coordinate 0) decides: its `result` is broadcast over the cp group, then over the tp group
+    (a pickled list of token ids per row: small beside the generation)."""
+    device = mesh_device(mesh)
+    for name in ("cp", "tp"):
+        if mesh_dim_size(mesh, name) > 1:
+            group = mesh[name].get_group()
+            box = [result]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
+                                       device=device if device.type != "cpu" else None)
+            result = box[0]
+    return result
 
 
 def _cache_bytes(trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

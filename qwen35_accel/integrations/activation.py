@@ -5,7 +5,9 @@ A patch point wraps one attribute of Accelerate or the Trainer; its version guar
 the versions of the package whose internals the wrapper was written against. Points of
 modules that are not imported yet (the Trainer's) are deferred: a later `install()`
 patches them (`accelerator_init` calls it when an Accelerator is created, the
-preparation again when it prepares a model). This module imports no wrapper, so the
+preparation again when it prepares a model, and `_DeferredWatcher` at the first import
+after a deferred point's module has been imported: Transformers' `from_pretrained` runs
+before any Accelerator). This module imports no wrapper, so the
 wrappers can import `install` from it without an import cycle.
 """
 
@@ -150,11 +152,43 @@ def install() -> bool:
         setattr(wrapper, _ORIGINAL, original)
         setattr(owner, name, wrapper)
         _installed[point] = original
+    _watch_deferred()
     return True
+
+
+class _DeferredWatcher:
+    """A meta-path finder that finds nothing: at each import it looks whether a deferred point's
+    module has been imported meanwhile (the import before this one completed it) and then runs
+    `install()`; it removes itself once nothing is deferred. The look is a few `sys.modules`
+    lookups, one per deferred module."""
+
+    def __init__(self, modules: set[str]) -> None:
+        self.modules = modules
+        self._busy = False
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if self._busy or not any(name in sys.modules for name in self.modules):
+            return None
+        self._busy = True
+        try:
+            if any(_resolvable(p) for p in _points if p not in _installed and p.module in self.modules):
+                install()
+        finally:
+            self._busy = False
+        return None
+
+
+def _watch_deferred() -> None:
+    """Keep one `_DeferredWatcher` on the modules of the points still deferred (none: no watcher)."""
+    deferred = {p.module for p in _points if p not in _installed and _deferred(p)}
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _DeferredWatcher)]
+    if deferred:
+        sys.meta_path.insert(0, _DeferredWatcher(deferred))
 
 
 def uninstall() -> None:
     """Restore the originals (for tests and `QWEN35_ACCEL=0` comparisons)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _DeferredWatcher)]
     for point, original in list(_installed.items()):
         owner, name = _owner_and_name(point)
         setattr(owner, name, original)

@@ -19,6 +19,7 @@ from . import (
     step_hooks,
     trl_fused_head,
     trl_sampling,
+    transformers_sharding,
     trl_whole_rows,
 )
 from .activation import ACCELERATE, TRANSFORMERS, TRL, PatchPoint
@@ -86,6 +87,13 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "transformers.trainer", "Trainer._load_from_checkpoint", checkpoints.trainer_load_from_checkpoint, TRANSFORMERS,
         "dense Qwen3.5 under tp > 1 with FULL_STATE_DICT (resume_from_checkpoint): as load_fsdp_model above (the "
         "Trainer holds its own reference to Accelerate's function)",
+    ),
+    PatchPoint(
+        "transformers.distributed.mixin", "DistributedMixin.maybe_distribute_model",
+        transformers_sharding.maybe_distribute_model, TRANSFORMERS,
+        "dense Qwen3.5 loaded with Transformers' own sharding (from_pretrained(..., distributed_config=...)): a bf16 "
+        "load or fsdp_mixed_precision under FSDP refused on every rank with the ways that keep the gates fp32 (stock: "
+        "the gates train bf16-rounded, silently); Transformers' gathering TP plan said once",
     ),
     PatchPoint(
         "transformers.trainer", "Trainer._prepare_context_parallel_inputs", step_hooks.prepare_context_parallel_inputs,

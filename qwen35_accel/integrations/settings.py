@@ -79,6 +79,12 @@ class PluginSettings:
         "the checkpoint's fp32 values read back after a bf16 load; 0 leaves them as loaded (FSDP2 always holds them "
         "in fp32)",
     )
+    distributed_config: str = _knob(
+        "check",
+        "Transformers' own sharding at load (from_pretrained(..., distributed_config=...)) of a dense Qwen3.5: check "
+        "refuses the loads that would train the gates bf16-rounded (a bf16 load or fsdp_mixed_precision under FSDP), "
+        "naming the ways that train them in fp32; stock leaves every load to Transformers",
+    )
     fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of the units in layer order, embedding to tail")
     fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
     fsdp2_backward_prefetch_depth: int = _knob(2, "layers prefetched ahead in backward")
@@ -165,6 +171,7 @@ _CHOICES = {
     "cp_state_exchange": ("auto", "allgather", "scan"),
     "tiled_loss": ("off", "hold", "recompute"),
     "rl_generation": ("replicated", "split"),
+    "distributed_config": ("check", "stock"),
 }
 # Choice knobs that were booleans: their boolean spellings still work (true: the first choice after "off").
 _FORMERLY_BOOLEAN = {"tiled_loss": {True: "hold", False: "off"}}

@@ -87,6 +87,10 @@ def _worker(rank: int, world: int, cp: int) -> None:
     for name, p in model.named_parameters():
         assert_close(gather_tensor_parallel(model, name, p.grad), ref_params[hf_name(name)].grad, f"grad of {name}")
 
+    # A per-token key it does not shard (TRL's DPO collator on a VLM passes `mm_token_type_ids`): refused
+    # on every rank, naming it (docs/vlm.md: DPO/KTO with images under CP).
+    with pytest.raises(NotImplementedError, match="also passes per-token mm_token_type_ids, which it would not shard"):
+        model(**batch, mm_token_type_ids=torch.zeros_like(batch["input_ids"]), fused_lm_head=True)
     # The whole-row precondition: the same rows on every rank of the cp group, refused on every rank otherwise.
     other = {k: v.roll(mesh["cp"].get_local_rank(), dims=0) for k, v in batch.items()}
     with pytest.raises(ValueError, match="needs the same whole rows on every rank of the cp group"):

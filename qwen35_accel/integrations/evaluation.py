@@ -36,18 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.mesh import has_dim
+from .targets import prepared_qwen35
 from .trl_trainers import trl_trainer
-
-
-def _prepared_qwen35(model: nn.Module) -> nn.Module | None:
-    """The dense Qwen3.5 model inside what the plugin prepared (`model` itself, or inside a
-    DDP-style `.module` or a PEFT wrapper), or None."""
-    from ..model.detect import unwrap_qwen35
-
-    for module in (model, getattr(model, "module", None)):
-        if module is not None and getattr(module, "_qwen35_accel_prepared", False):
-            return unwrap_qwen35(module)
-    return None
 
 
 _STOCK = object()  # every rank holds its own batch: stock gathering
@@ -57,7 +47,7 @@ def _data_parallel_group(accelerator: Any) -> Any:
     """When some ranks share a batch (cp or tp > 1 on a prepared Qwen3.5 model): the group of
     ranks holding different batches (Accelerate's `dp` dim; None when there is none, i.e. one
     data-parallel rank). `_STOCK` otherwise."""
-    if not any(_prepared_qwen35(m) is not None for m in getattr(accelerator, "_models", [])):
+    if not any(prepared_qwen35(m) is not None for m in getattr(accelerator, "_models", [])):
         return _STOCK
     mesh = getattr(accelerator, "torch_device_mesh", None)
     if mesh is None:
@@ -161,7 +151,7 @@ def prediction_step(original: Callable[..., Any]) -> Callable[..., Any]:
         from ..parallel.context_parallel.model import context_parallel_mesh
         from ..parallel.tensor_parallel import VOCAB_GROUP_ATTR
 
-        qwen = _prepared_qwen35(model)
+        qwen = prepared_qwen35(model)
         cp_mesh = context_parallel_mesh(qwen) if qwen is not None else None
         if qwen is None or (cp_mesh is None and getattr(qwen, VOCAB_GROUP_ATTR, None) is None):
             return original(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
@@ -255,7 +245,7 @@ def evaluation_loop(original: Callable[..., Any]) -> Callable[..., Any]:
         if sft_step:
             self.prediction_step = functools.partial(_sft_prediction_step, self, self.prediction_step)
         user_fn = self.preprocess_logits_for_metrics
-        qwen = _prepared_qwen35(self.model_wrapped) or _prepared_qwen35(self.model)
+        qwen = prepared_qwen35(self.model_wrapped) or prepared_qwen35(self.model)
         per_chunk = (
             user_fn is not None
             and not isinstance(user_fn, PerChunkPreprocess)
@@ -293,7 +283,7 @@ def _sft_prediction_step(
     and accuracy sum their counts over every process themselves."""
     from ..parallel.context_parallel.model import context_parallel_mesh
 
-    qwen = _prepared_qwen35(model)
+    qwen = prepared_qwen35(model)
     cp_mesh = context_parallel_mesh(qwen) if qwen is not None else None
     if cp_mesh is None or not isinstance(inputs, Mapping) or inputs.get("input_ids") is None:
         return original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)

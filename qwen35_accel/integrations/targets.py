@@ -25,3 +25,14 @@ def is_tensor_parallel_qwen35(model: Any) -> bool:
     from ..parallel.tensor_parallel import tensor_parallel_group
 
     return getattr(model, "_qwen35_accel_prepared", False) and tensor_parallel_group(model) is not None
+
+
+def prepared_qwen35(model: nn.Module) -> nn.Module | None:
+    """The dense Qwen3.5 model inside what the plugin prepared (`model` itself, or inside a
+    DDP-style `.module` or a PEFT wrapper), or None."""
+    from ..model.detect import unwrap_qwen35
+
+    for module in (model, getattr(model, "module", None)):
+        if module is not None and getattr(module, "_qwen35_accel_prepared", False):
+            return unwrap_qwen35(module)
+    return None

@@ -171,9 +171,9 @@ def trl_add_fused_lm_head(original: Callable[..., Any]) -> Callable[..., Any]:
 def _cp_group_of(model: nn.Module) -> Any:
     """The cp process group of the prepared dense Qwen3.5 model inside `model` (under CP now), else None."""
     from ..parallel.context_parallel.model import context_parallel_mesh
-    from .evaluation import _prepared_qwen35
+    from .targets import prepared_qwen35
 
-    qwen = _prepared_qwen35(model)
+    qwen = prepared_qwen35(model)
     mesh = context_parallel_mesh(qwen) if qwen is not None else None
     return None if mesh is None or mesh.size() == 1 else mesh.get_group()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -272,17 +274,14 @@ def test_offload_prefetches_the_layer_before_while_backward_unpacks_a_layer():
         assert torch.equal(grads_on[name], grad), name  # the same recompute from the same inputs: the same bits
 
 
-def test_offload_copies_a_tensor_saved_by_several_layers_to_the_host_once():
-    """A tensor object that several checkpointed layers of one forward save (as positional
-    arguments: Transformers 5.24 passes its rotary cos/sin by keyword, which the checkpoint keeps
-    in its recompute closure instead) is copied to the host once; modified in place between two
-    layers, it is copied again, and each layer's recompute gets the value it was called with
-    (repeated unpacks: `test_offload_unpacks_a_group_out_of_order_or_twice`; a second backward
-    through a retained graph fails inside torch's composable checkpoint before any unpack)."""
+def _scaled_layers_in_place_between(offload):
+    """Four checkpointed layers `tanh(linear(x)) * scale` offloaded by `offload`, the scale one
+    tensor object written in place (doubled) after the second layer: runs the forward and
+    backward; returns (the offload's stats after the forward, [(grad, the reference's grad)]),
+    the reference being the same layers unchecked with the doubled scale a new tensor."""
     from torch import nn
 
     from qwen35_accel.parallel.activation_checkpointing import apply_activation_checkpointing
-    from qwen35_accel.parallel.activation_offload import ActivationOffload
 
     class Scaled(nn.Linear):
         def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -292,7 +291,6 @@ def test_offload_copies_a_tensor_saved_by_several_layers_to_the_host_once():
     width = 16
     layers = nn.ModuleList(Scaled(width, width) for _ in range(4))
     x, scale = torch.randn(8, width), torch.rand(8, width) + 0.5
-    # The reference: the same layers unchecked, chained, the scale doubled after the second layer.
     y = x
     for layer, s in zip(layers, (scale, scale, scale * 2, scale * 2)):
         y = layer(y, s)
@@ -300,21 +298,33 @@ def test_offload_copies_a_tensor_saved_by_several_layers_to_the_host_once():
     grads_want = [p.grad.clone() for p in layers.parameters()]
     layers.zero_grad(set_to_none=True)
 
-    offload = ActivationOffload(always_copy=True)
     apply_activation_checkpointing(layers, offload)
     shared = scale.clone()
     y = x
     for i, layer in enumerate(layers):
         if i == 2:
-            shared.mul_(2)  # a new version: the host copy of before is not this tensor's value any more
+            shared.mul_(2)  # in place, after layers 0 and 1 saved it: a new version
         y = layer(y, shared)
-    stats = offload.stats
-    nbytes = scale.numel() * 4
+    stats = dataclasses.replace(offload.stats)
+    y.square().sum().backward()
+    return stats, list(zip((p.grad for p in layers.parameters()), grads_want))
+
+
+def test_offload_copies_a_tensor_saved_by_several_layers_to_the_host_once():
+    """A tensor object that several checkpointed layers of one forward save (as positional
+    arguments: Transformers 5.24 passes its rotary cos/sin by keyword, which the checkpoint keeps
+    in its recompute closure instead) is copied to the host once; modified in place between two
+    layers, it is copied again, and each layer's recompute gets the value it was called with
+    (repeated unpacks: `test_offload_unpacks_a_group_out_of_order_or_twice`; a second backward
+    through a retained graph fails inside torch's composable checkpoint before any unpack)."""
+    from qwen35_accel.parallel.activation_offload import ActivationOffload
+
+    stats, grads = _scaled_layers_in_place_between(ActivationOffload(always_copy=True))
+    nbytes = 8 * 16 * 4  # the scale, fp32
     # Saved: each layer's input and the shared scale; the scale's copy reused by layers 1 and 3.
     assert (stats.tensors, stats.moved_tensors, stats.deduplicated_tensors, stats.deduplicated_bytes) == (8, 6, 2, 2 * nbytes), stats
-    y.square().sum().backward()
-    for got, want_grad in zip(layers.parameters(), grads_want):
-        assert torch.equal(got.grad, want_grad)
+    for got, want in grads:
+        assert torch.equal(got, want)
 
 
 def test_offload_unpacks_a_group_out_of_order_or_twice():
@@ -386,36 +396,10 @@ def test_offload_copies_out_before_a_later_in_place_write_on_a_deferred_stream()
     layer saw it. With a stream whose copies run only when waited on, the layers' recomputes get
     the values they were called with only if the current stream waits on a layer's copies when
     its forward ends (before that wait, layers 0 and 1 recomputed with the doubled scale)."""
-    from torch import nn
-
-    from qwen35_accel.parallel.activation_checkpointing import apply_activation_checkpointing
     from qwen35_accel.parallel.activation_offload import ActivationOffload
 
-    class Scaled(nn.Linear):
-        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            return torch.tanh(super().forward(x)) * scale
-
-    torch.manual_seed(0)
-    width = 16
-    layers = nn.ModuleList(Scaled(width, width) for _ in range(4))
-    x, scale = torch.randn(8, width), torch.rand(8, width) + 0.5
-    y = x
-    for layer, s in zip(layers, (scale, scale, scale * 2, scale * 2)):  # the reference, unchecked
-        y = layer(y, s)
-    y.square().sum().backward()
-    grads_want = [p.grad.clone() for p in layers.parameters()]
-    layers.zero_grad(set_to_none=True)
-
     streams = _deferred_streams()
-    offload = ActivationOffload(pin_memory=False, always_copy=True, streams=streams)
-    apply_activation_checkpointing(layers, offload)
-    shared = scale.clone()
-    y = x
-    for i, layer in enumerate(layers):
-        if i == 2:
-            shared.mul_(2)  # in place, after layers 0 and 1 saved it
-        y = layer(y, shared)
-    assert offload.stats.moved_tensors == 6 and streams.side_stream.queue  # the copies went through the side stream
-    y.square().sum().backward()
-    for got, want_grad in zip(layers.parameters(), grads_want):
-        assert torch.equal(got.grad, want_grad)
+    stats, grads = _scaled_layers_in_place_between(ActivationOffload(pin_memory=False, always_copy=True, streams=streams))
+    assert stats.moved_tensors == 6 and streams.side_stream.queue  # the copies went through the side stream
+    for got, want in grads:
+        assert torch.equal(got, want)

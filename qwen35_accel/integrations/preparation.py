@@ -392,6 +392,12 @@ def _note_restored_gates(model: nn.Module) -> None:
         )
 
 
+def _rounded_gates(model: nn.Module) -> list[str]:
+    from ..model.fp32_gate import rounded_gate_dtypes
+
+    return rounded_gate_dtypes(model)
+
+
 def _without_fsdp(accelerator: Any, model: nn.Module) -> bool:
     """Accelerate prepares `model` without FSDP, DeepSpeed or Megatron (one process, DDP), and
     nothing has sharded it (no DTensor parameters: Transformers' load-time TP/FSDP, FSDP2)."""
@@ -402,17 +408,6 @@ def _without_fsdp(accelerator: Any, model: nn.Module) -> bool:
     if accelerator.distributed_type in sharding or getattr(model, "_is_accelerate_prepared", False):
         return False
     return not any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def _gates_below_fp32(model: nn.Module) -> bool:
-    """Whether some GatedDeltaNet of `model` stores `A_log` or `dt_bias` below fp32 (a bf16 load)."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
-
-    return any(
-        getattr(module, name).dtype in (torch.bfloat16, torch.float16)
-        for module in model.modules() if isinstance(module, Qwen3_5GatedDeltaNet)
-        for name in ("A_log", "dt_bias")
-    )
 
 
 def prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -427,7 +422,7 @@ def prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if (
-            is_dense_qwen35_module(model) and _without_fsdp(self, model) and _gates_below_fp32(model)
+            is_dense_qwen35_module(model) and _without_fsdp(self, model) and _rounded_gates(model)
             and PluginSettings.from_env(strict=True).fp32_gates
         ):
             from ..model.detect import unwrap_qwen35

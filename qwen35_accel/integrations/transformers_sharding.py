@@ -31,19 +31,6 @@ _PLUGIN_WAYS = (
 )
 
 
-def _rounded_gates(model: Any) -> list[str]:
-    """The gate dtypes below fp32 in `model` (any device, meta included)."""
-    import torch
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
-
-    return sorted({
-        str(getattr(module, name).dtype)
-        for module in model.modules() if isinstance(module, Qwen3_5GatedDeltaNet)
-        for name in ("A_log", "dt_bias")
-        if getattr(module, name).dtype in (torch.bfloat16, torch.float16)
-    })
-
-
 def maybe_distribute_model(original: Any) -> classmethod:
     """The wrapper of `DistributedMixin.maybe_distribute_model` (a classmethod, called by
     `from_pretrained` after the model's init and before its weights load): see the module doc."""
@@ -55,9 +42,11 @@ def maybe_distribute_model(original: Any) -> classmethod:
             mesh_manager is not None and is_dense_qwen35_module(model)
             and PluginSettings.from_env(strict=True).distributed_config == "check"
         ):
+            from ..model.fp32_gate import rounded_gate_dtypes  # here: from_pretrained calls this for every model
+
             data_parallel = distributed_config.dp_size > 1
             reasons = []
-            if data_parallel and (rounded := _rounded_gates(model)):
+            if data_parallel and (rounded := rounded_gate_dtypes(model)):
                 reasons.append(f"the load dtype stores A_log/dt_bias as {', '.join(rounded)}, and Transformers' FSDP2 "
                                "units train them so (the checkpoint holds them in fp32)")
             if data_parallel and getattr(distributed_config, "fsdp_mixed_precision", False):

@@ -347,6 +347,17 @@ def _below_fp32(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
 
 
+def rounded_gate_dtypes(model: nn.Module) -> list[str]:
+    """The dtypes below fp32 in which `model`'s GatedDeltaNet layers store `A_log`/`dt_bias`
+    (a bf16 load), sorted; empty where they are fp32 (or held by `_fp32_params`). Any device."""
+    return sorted({
+        str(getattr(module, name).dtype)
+        for module in model.modules() if isinstance(module, hf.Qwen3_5GatedDeltaNet)
+        for name in GATE_PARAM_NAMES
+        if _below_fp32(getattr(module, name).dtype)
+    })
+
+
 def has_fp32_gate(module: nn.Module) -> bool:
     return isinstance(module, Fp32GateGatedDeltaNet)
 

@@ -73,6 +73,32 @@ def test_one_process_holds_trains_and_saves_the_checkpoints_fp32_gates_under_bf1
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def test_lora_on_one_process_computes_from_the_checkpoints_fp32_gates(tmp_path, capfd):
+    """LoRA on one GPU, the most common fine-tune: PEFT freezes the gates, and after a bf16 load
+    they take the checkpoint's fp32 values back at prepare, so every forward computes the decay
+    from what Qwen trained."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from peft import LoraConfig, get_peft_model
+
+    from qwen35_accel import install
+
+    saved = save_fp32(build_tiny_causal_lm, tmp_path / "checkpoint")
+    install()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        base = type(build_tiny_causal_lm()).from_pretrained(tmp_path / "checkpoint", dtype=torch.bfloat16)
+        model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "in_proj_qkv"]))
+        model = Accelerator(cpu=True, mixed_precision="bf16").prepare(model)
+        assert PREPARED in capfd.readouterr().err
+        gates = {name.removeprefix("base_model.model."): p for name, p in _gates(model).items()}
+        assert set(gates) == set(saved)
+        for name, value in saved.items():
+            assert not gates[name].requires_grad and gates[name].dtype == torch.float32 and torch.equal(gates[name], value), name
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def test_fp32_gates_off_leaves_the_gates_as_loaded(tmp_path, monkeypatch, capfd):
     saved = save_fp32(build_tiny_causal_lm, tmp_path / "checkpoint")
     monkeypatch.setenv("QWEN35_ACCEL_FP32_GATES", "0")

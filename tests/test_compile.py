@@ -2,7 +2,8 @@
 `TrainingArguments(torch_compile=True)` do after preparation): it traces, and the loss and every
 gradient equal the eager model's. Before, the first compiled forward under plain FSDP2 crashed on
 every rank (`AssertionError: Expected CellVariable, got UserDefinedObjectVariable in load_cell`):
-the GatedDeltaNet layer called Transformers' conv through the `kernels` package's `Func` module.
+dynamo traced the GatedDeltaNet layer's kernel choice, which reads the closure cells of
+Transformers' Hub-kernel wrappers (now a constant computed outside the trace).
 
 `aot_eager` traces forward and backward as inductor does, without its code generation (minutes
 on 2 cores); speed is the benchmarks' business (issue 47)."""

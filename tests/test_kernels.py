@@ -188,7 +188,7 @@ def test_where_transformers_calls_fla_our_layer_takes_it_only_on_cuda_and_only_a
         assert on_cpu is not getattr(hf, name) and kernels.unwrap_function(on_cpu) is kernels.unwrap_function(getattr(hf, name))
         with pytest.raises(ValueError, match="cannot keep packed documents apart"):
             on_cpu(*[torch.zeros(1, 4, 1, 2)] * 3, g=torch.zeros(1, 4, 1), beta=torch.ones(1, 4, 1), cu_seqlens=torch.tensor([0, 4]))
-        # As resolved (the torch fallback), unwrapped: Transformers' wrapper is a `kernels` Func module torch.compile cannot trace.
+        # As resolved (the torch fallback), the plain function under Transformers' wrapper (a `kernels` Func module).
         conv = kernel_functions.kernel_function("causal_conv1d_fn", "causal_conv1d", CUDA_TENSOR)
         assert conv is not hf.causal_conv1d_fn and kernels.unwrap_function(conv) is kernels.unwrap_function(hf.causal_conv1d_fn)
     finally:

@@ -2,8 +2,8 @@
 its torch fallback), FLA's Triton conv, or the torch function under Transformers' wrapper.
 
 The choice is read from Transformers' module and `ops.kernels` at call time (`kernel_source`, a
-constant to torch.compile), and the functions returned are plain functions torch.compile can
-trace, never the `kernels` package's `Func` modules.
+constant to torch.compile: tracing that introspection crashed dynamo), and a torch fallback is the
+plain function under Transformers' wrapper.
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ def kernel_function(name: str, package: str, x: torch.Tensor) -> Callable[..., A
         return getattr(hf, name)
     if source == "fla_conv":
         return fla_conv_kernel
-    # The plain torch function, not Transformers' wrapper of it: with `kernels` 0.19 that is an
-    # nn.Module instance (`Func`) calling the decorated function, which torch.compile cannot trace
-    # ("Expected CellVariable ... in load_cell"); the function under it is the same computation.
+    # The plain torch function under Transformers' wrapper (with `kernels` 0.19 an nn.Module, `Func`,
+    # calling the decorated function): the same computation, and nothing for torch.compile to look into.
     return torch_function(name)
 
 
@@ -52,7 +51,9 @@ def kernel_function(name: str, package: str, x: torch.Tensor) -> Callable[..., A
 def kernel_source(name: str, package: str, device: str) -> str:
     """Where `kernel_function` takes `name` from for tensors on `device`: "transformers" (what Transformers
     calls: the package's kernel, or a wrapper that does not show its choice), "fla_conv" or "torch".
-    A constant to torch.compile (computed when traced, not traced: it reads Transformers' closures)."""
+    A constant to torch.compile, computed when traced and not traced: it reads the closure cells of
+    Transformers' wrappers, on which dynamo failed ("Expected CellVariable, got
+    UserDefinedObjectVariable in load_cell") when the layer's forward traced it."""
     decided = kernels.transformers_uses(package)
     on = torch.device(device)
     if decided is True and kernels.takes_kernel(package, on) and kernels.status(package).usable:

@@ -229,12 +229,10 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     cp = mesh_dim_size(mesh, "cp")
     from ..ops.kernels import run_summary
 
-    from ..model.detect import unwrap_qwen35
-
     # Accelerate's dynamo_config compiles the whole model before this wrap (an OptimizedModule).
     compiled = ", torch.compile: the whole model (Accelerate's dynamo_config; each FSDP2 unit's hooks break the graph)"
     main_process_note(
-        f"{type(unwrap_qwen35(model)).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
+        f"{type(getattr(model, '_orig_mod', model)).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
         f"activation checkpointing: {checkpointing}, loss: {_loss_in_effect(model)}, "
         f"GatedDeltaNet kernels: {run_summary(accelerator.device)}{_hub_kernels_note(model)}"

@@ -395,12 +395,6 @@ def _note_restored_gates(model: nn.Module) -> None:
         )
 
 
-def _rounded_gates(model: nn.Module) -> list[str]:
-    from ..model.fp32_gate import rounded_gate_dtypes
-
-    return rounded_gate_dtypes(model)
-
-
 def _without_fsdp(accelerator: Any, model: nn.Module) -> bool:
     """Accelerate prepares `model` without FSDP, DeepSpeed or Megatron (one process, DDP), and
     nothing has sharded it (no DTensor parameters: Transformers' load-time TP/FSDP, FSDP2)."""
@@ -411,6 +405,13 @@ def _without_fsdp(accelerator: Any, model: nn.Module) -> bool:
     if accelerator.distributed_type in sharding or getattr(model, "_is_accelerate_prepared", False):
         return False
     return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _fp32_gates_wanted(model: nn.Module) -> bool:
+    """The gates are stored below fp32 (a bf16 load) and `QWEN35_ACCEL_FP32_GATES` is on."""
+    from ..model.fp32_gate import rounded_gate_dtypes
+
+    return bool(rounded_gate_dtypes(model)) and PluginSettings.from_env(strict=True).fp32_gates
 
 
 def prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -424,20 +425,16 @@ def prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def wrapper(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if (
-            is_dense_qwen35_module(model) and _without_fsdp(self, model) and _rounded_gates(model)
-            and PluginSettings.from_env(strict=True).fp32_gates
-        ):
+        if is_dense_qwen35_module(model) and _without_fsdp(self, model) and _fp32_gates_wanted(model):
             from ..model.detect import unwrap_qwen35
-            from ..model.fp32_gate import has_fp32_gate, install_fp32_gate
+            from ..model.fp32_gate import install_fp32_gate
 
-            converted = install_fp32_gate(model)
+            converted = install_fp32_gate(model)  # every GatedDeltaNet: none held its gates in fp32 yet
             if converted:
-                held = sum(has_fp32_gate(m) for m in model.modules())
                 how = "DDP" if self.num_processes > 1 else "one process"
                 main_process_note(
                     f"{type(unwrap_qwen35(model)).__name__} prepared by qwen35_accel without FSDP ({how}): GatedDeltaNet "
-                    f"gates A_log/dt_bias held in fp32 in {held} layers (trained, computed and saved in fp32 under any "
+                    f"gates A_log/dt_bias held in fp32 in {converted} layers (trained, computed and saved in fp32 under any "
                     "mixed precision; QWEN35_ACCEL_FP32_GATES=0 leaves them as loaded)"
                 )
                 _note_restored_gates(model)

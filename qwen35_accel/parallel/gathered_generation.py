@@ -122,8 +122,9 @@ def units_gathered(model: nn.Module, device: torch.device, cache_bytes: int = 0)
     they and a cache of `cache_bytes` fit; else FSDP2's per-forward gathering. Yields which.
     Logs the choice once per process."""
     units = _units(model)
-    resting = [_resting(r, root=i == 0) for i, r in enumerate(map(unit_record, units))] if _records(units) else None
-    if not units or resting is None or None in resting:
+    records = [unit_record(unit) for unit in units]
+    resting = [None if r is None else _resting(r, root=i == 0) for i, r in enumerate(records)]
+    if not units or None in resting:  # a unit not made here, or an int reshard_after_forward
         yield False
         return
     fits, needed, free = gathering_fits(model, device, cache_bytes)

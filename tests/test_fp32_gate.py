@@ -151,6 +151,19 @@ def test_dtype_casts_keep_the_holder_fp32():
         assert gdn.in_proj_qkv.weight.dtype != torch.float32
 
 
+
+def test_a_gate_set_by_name_lands_in_the_holder_and_only_in_fp32():
+    """Transformers' loader sets each loaded parameter with `setattr(module, "A_log", Parameter)`."""
+    model = build_tiny_causal_lm()
+    install_fp32_gate(model)
+    gdn = _gdn_layers(model)[0]
+    value = torch.nn.Parameter(torch.randn_like(gdn.A_log))
+    gdn.A_log = value
+    assert getattr(gdn, HOLDER_NAME).A_log is value and gdn.A_log is value and "A_log" not in gdn._parameters
+    assert dict(model.named_parameters())["model.layers.0.linear_attn.A_log"] is value
+    with pytest.raises(TypeError, match="dt_bias of a GatedDeltaNet with an fp32 gate holder must be fp32, got torch.bfloat16"):
+        gdn.dt_bias = torch.nn.Parameter(gdn.dt_bias.detach().bfloat16())
+
 def test_unmodified_checkpoint_loads_into_converted_model_and_back():
     source = build_tiny_causal_lm(seed=1)
     converted = build_tiny_causal_lm(seed=2)

@@ -1,48 +1,109 @@
-"""Transformers' own sharding at load (`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))`
-under torchrun, tests/scripts/distributed_config_load.py) on a checkpoint saved as Qwen ships it (fp32 gates):
-where its FSDP2 would train the gates bf16-rounded (a bf16 load; `fsdp_mixed_precision`) the load is refused on
-every rank, naming the ways that keep them fp32; an fp32 load trains as Transformers has it, gates fp32
-(before the patch point, the bf16 load trained with bf16 gates, silently)."""
+"""Transformers' own sharding at load (`from_pretrained(..., distributed_config=DistributedConfig(...))`) under
+torchrun, with an unchanged Trainer script (tests/scripts/distributed_config_trainer.py): data parallelism alone
+(FSDP2, HSDP) is sharded by the plugin at load, so the gates sit in fp32 holders when the weights load: a
+checkpoint saved as Qwen ships it (bf16 weights, fp32 gates, `dtype` "auto") trains them in fp32 from the
+checkpoint's values, bitwise, and an fp32 load equals one process (before: a bf16 load trained them bf16-rounded,
+silently). `QWEN35_ACCEL_DISTRIBUTED_CONFIG=check` keeps Transformers' units and refuses, on every rank, the loads
+that would round them."""
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import pytest
-from test_bf16_load import _save_source
+import torch
+from test_bf16_load import _save_source, checkpoint_gate_values
+from test_without_fsdp import assert_trained_in_fp32
 
 from qwen35_accel.testing.launch import REPO, assert_refused_on_every_rank, describe, run_launch
 from qwen35_accel.testing.local_world import free_port
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-SCRIPT = REPO / "tests" / "scripts" / "distributed_config_load.py"
+SCRIPT = REPO / "tests" / "scripts" / "distributed_config_trainer.py"
+SHARDED = "Qwen3_5ForCausalLM sharded at load by qwen35_accel (distributed_config: "
 REFUSED = "qwen35_accel: Qwen3_5ForCausalLM with Transformers' own sharding at load"
 
 
-def _torchrun(model, dtype: str, *flags: str):
-    return run_launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                       str(free_port()), str(SCRIPT), str(model), dtype, *flags])
+def _run(model: Path, dtype: str, out: Path, world: int = 2, *flags: str, env: dict[str, str] | None = None):
+    launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                                      "--master_port", str(free_port())]
+    result = run_launch([sys.executable, *launcher, str(SCRIPT), str(model), dtype, str(out), *flags], env=env)
+    return result
+
+
+def _trained(result, out: Path) -> list[dict]:
+    assert result.returncode == 0 and not result.leftover_processes, describe(result)
+    return [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("distributed_config") / "model"
+def fp32_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("distributed_config") / "fp32"
     _save_source(path)  # the recipes' tiny model, saved in fp32
     return path
 
 
-@pytest.mark.parametrize("dtype,flags,why", [
-    ("bfloat16", (), "the load dtype stores A_log/dt_bias as torch.bfloat16"),
-    ("float32", ("--mixed_precision",), "fsdp_mixed_precision computes each decoder layer's unit"),
-], ids=["bf16-load", "fsdp-mixed-precision"])
-def test_loads_that_would_round_the_gates_are_refused_on_every_rank(checkpoint, dtype, flags, why):
-    result = _torchrun(checkpoint, dtype, *flags)
+@pytest.fixture(scope="module")
+def qwen_shaped(fp32_checkpoint, tmp_path_factory):
+    """As Qwen ships its checkpoints: bf16 weights, fp32 A_log/dt_bias, config dtype bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(fp32_checkpoint, dtype=torch.float32)
+    for name, param in model.named_parameters():
+        if not name.endswith((".A_log", ".dt_bias")):
+            param.data = param.data.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    path = tmp_path_factory.mktemp("distributed_config") / "qwen_shaped"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_process(fp32_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("distributed_config") / "one_process"
+    return _trained(_run(fp32_checkpoint, "float32", out, 1), out)
+
+
+@pytest.mark.parametrize("world,flags", [(2, ()), (4, ("--replicate", "2"))], ids=["fsdp2", "hsdp2x2"])
+def test_an_fp32_load_sharded_at_load_equals_one_process(fp32_checkpoint, one_process, tmp_path, world, flags):
+    result = _run(fp32_checkpoint, "float32", tmp_path, world, *flags)
+    logged = _trained(result, tmp_path)
+    replicate = dict(zip(flags[::2], flags[1::2])).get("--replicate", "1")
+    assert result.stderr.count(f"{SHARDED}dp_replicate {replicate}, fsdp {world // int(replicate)})") == 1, describe(result)
+    assert len(logged) == len(one_process) == 4
+    for ours, reference in zip(logged, one_process):
+        for key in ("loss", "grad_norm"):
+            assert ours[key] == pytest.approx(reference[key], rel=1e-5), (key, ours, reference)
+    assert all(v.dtype == torch.float32 for v in checkpoint_gate_values(tmp_path).values())
+
+
+def test_a_checkpoint_as_qwen_ships_it_trains_the_gates_in_fp32_from_its_values(qwen_shaped, tmp_path):
+    """`dtype="auto"`: bf16 weights; the gates load into their fp32 holders bitwise and train in fp32 (the step-1
+    loss equals the one-process Trainer's on the same load, which holds fp32 gates too: bf16 rounding apart)."""
+    result = _run(qwen_shaped, "auto", tmp_path / "fsdp2")
+    logged = _trained(result, tmp_path / "fsdp2")
+    assert "fp32 gate holders (the checkpoint's values load into them in fp32, the rest in torch.bfloat16)" in result.stderr
+    saved = checkpoint_gate_values(qwen_shaped)
+    loaded = torch.load(tmp_path / "fsdp2" / "gates_at_load.pt")
+    assert set(loaded) == set(saved) and all(torch.equal(loaded[k], v) and loaded[k].dtype == torch.float32 for k, v in saved.items())
+    assert_trained_in_fp32(qwen_shaped, tmp_path / "fsdp2")
+    reference = _trained(_run(qwen_shaped, "auto", tmp_path / "one", 1), tmp_path / "one")
+    assert logged[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-2)
+
+
+def test_fsdp_mixed_precision_keeps_the_gates_fp32(fp32_checkpoint, one_process, tmp_path):
+    result = _run(fp32_checkpoint, "float32", tmp_path, 2, "--mixed_precision")
+    logged = _trained(result, tmp_path)
+    assert f"{SHARDED}dp_replicate 1, fsdp 2, fsdp_mixed_precision: bf16 compute)" in result.stderr, describe(result)
+    assert logged[0]["loss"] == pytest.approx(one_process[0]["loss"], rel=1e-2)  # bf16 compute
+    assert_trained_in_fp32(fp32_checkpoint, tmp_path)
+
+
+def test_check_refuses_transformers_units_on_a_bf16_load_on_every_rank(qwen_shaped, tmp_path):
+    result = _run(qwen_shaped, "auto", tmp_path, env={"QWEN35_ACCEL_DISTRIBUTED_CONFIG": "check"})
     assert_refused_on_every_rank(result, "NotImplementedError", REFUSED)
-    assert why in result.stderr and "accelerate_configs/fsdp2.yaml" in result.stderr, describe(result)
-
-
-def test_an_fp32_load_is_left_to_transformers_with_fp32_gates(checkpoint):
-    result = _torchrun(checkpoint, "float32")
-    assert result.returncode == 0 and not result.leftover_processes, describe(result)
-    assert "gates ['torch.float32']" in result.stdout, describe(result)
+    assert "the load dtype stores A_log/dt_bias as torch.bfloat16" in result.stderr, describe(result)
+    assert "accelerate_configs/fsdp2.yaml" in result.stderr, describe(result)

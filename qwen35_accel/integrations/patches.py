@@ -91,7 +91,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(
         "transformers.distributed.mixin", "DistributedMixin.maybe_distribute_model",
         transformers_sharding.maybe_distribute_model, TRANSFORMERS,
-        "dense Qwen3.5 loaded with Transformers' own sharding (from_pretrained(..., distributed_config=...)): a bf16 "
+        "dense Qwen3.5 loaded with Transformers' own sharding (from_pretrained(..., distributed_config=...)): data "
+        "parallelism alone sharded by the plugin's parallelizer at load (fp32 gate holders, loaded bitwise); with tp/pp a bf16 "
         "load or fsdp_mixed_precision under FSDP refused on every rank with the ways that keep the gates fp32 (stock: "
         "the gates train bf16-rounded, silently); Transformers' gathering TP plan said once",
     ),

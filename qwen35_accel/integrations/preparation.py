@@ -199,14 +199,9 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         activation_checkpointing=ours,
         activation_offload=activation_offload,
         reshard_after_forward=plugin.reshard_after_forward,
-        enable_fsdp2_prefetch=settings.fsdp2_prefetch,
-        fsdp2_backward_prefetch_depth=settings.fsdp2_backward_prefetch_depth,
-        fsdp2_forward_prefetch_depth=settings.fsdp2_forward_prefetch_depth,
-        frozen_multimodal_sharding=settings.frozen_multimodal_sharding,  # type: ignore[arg-type]
-        fp32_holder_units=settings.fp32_holder_units,  # type: ignore[arg-type]
         vocab_parallel_lm_head=settings.vocab_parallel_lm_head,
         cp_state_exchange=settings.cp_state_exchange,
-        tiled_loss=settings.tiled_loss,
+        **settings.parallelizer_options(),
     )
 
     if ram_efficient:
@@ -234,7 +229,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     main_process_note(
         f"{type(getattr(model, '_orig_mod', model)).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
-        f"activation checkpointing: {checkpointing}, loss: {_loss_in_effect(model)}, "
+        f"activation checkpointing: {checkpointing}, loss: {loss_in_effect(model)}, "
         f"GatedDeltaNet kernels: {run_summary(accelerator.device)}{_hub_kernels_note(model)}"
         f"{compiled if hasattr(model, '_orig_mod') else ''}"
     )
@@ -252,7 +247,7 @@ def _hub_kernels_note(model: nn.Module) -> str:
     return f", Transformers' Hub kernels (kernelize): off, its forwards would run instead of qwen35_accel's layers{had}"
 
 
-def _loss_in_effect(model: nn.Module) -> str:
+def loss_in_effect(model: nn.Module) -> str:
     """The training loss's path, for the prepared line."""
     from ..model.detect import unwrap_qwen35
     from ..parallel.tiled_loss import tiled_loss_mode

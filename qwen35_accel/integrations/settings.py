@@ -13,6 +13,7 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Mapping
+from typing import Any
 
 ENV_PREFIX = "QWEN35_ACCEL"
 def _knob(default: object, help: str) -> dataclasses.Field:
@@ -80,10 +81,12 @@ class PluginSettings:
         "in fp32)",
     )
     distributed_config: str = _knob(
-        "check",
-        "Transformers' own sharding at load (from_pretrained(..., distributed_config=...)) of a dense Qwen3.5: check "
-        "refuses the loads that would train the gates bf16-rounded (a bf16 load or fsdp_mixed_precision under FSDP), "
-        "naming the ways that train them in fp32; stock leaves every load to Transformers",
+        "plugin",
+        "Transformers' own sharding at load (from_pretrained(..., distributed_config=...)) of a dense Qwen3.5: plugin "
+        "shards data parallelism alone (fsdp/HSDP sizes) into the plugin's units, fp32 gates loaded from the "
+        "checkpoint, and does what check does for other layouts; check refuses the loads that would train the gates "
+        "bf16-rounded (a bf16 load or fsdp_mixed_precision under FSDP), naming the ways that train them in fp32, and "
+        "leaves the rest to Transformers; stock leaves every load to Transformers",
     )
     fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of the units in layer order, embedding to tail")
     fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
@@ -96,6 +99,17 @@ class PluginSettings:
     ignore_versions: bool = _knob(
         False, "1: an unsupported torch/transformers/accelerate version warns at import instead of raising"
     )
+
+    def parallelizer_options(self) -> dict[str, Any]:
+        """`PARALLELIZER.apply`'s keyword arguments that these settings choose wherever the plugin shards."""
+        return dict(
+            enable_fsdp2_prefetch=self.fsdp2_prefetch,
+            fsdp2_backward_prefetch_depth=self.fsdp2_backward_prefetch_depth,
+            fsdp2_forward_prefetch_depth=self.fsdp2_forward_prefetch_depth,
+            frozen_multimodal_sharding=self.frozen_multimodal_sharding,
+            fp32_holder_units=self.fp32_holder_units,
+            tiled_loss=self.tiled_loss,
+        )
 
     @staticmethod
     def env_name(field: str) -> str:
@@ -171,7 +185,7 @@ _CHOICES = {
     "cp_state_exchange": ("auto", "allgather", "scan"),
     "tiled_loss": ("off", "hold", "recompute"),
     "rl_generation": ("replicated", "split"),
-    "distributed_config": ("check", "stock"),
+    "distributed_config": ("plugin", "check", "stock"),
 }
 # Choice knobs that were booleans: their boolean spellings still work (true: the first choice after "off").
 _FORMERLY_BOOLEAN = {"tiled_loss": {True: "hold", False: "off"}}

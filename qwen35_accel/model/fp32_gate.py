@@ -140,6 +140,17 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
     def dt_bias(self) -> nn.Parameter:
         return getattr(self, HOLDER_NAME).dt_bias
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Transformers' loader sets each loaded parameter on its module by name
+        # (`setattr(linear_attn, "A_log", Parameter)`, core_model_loading.set_param_for_module):
+        # the gates land in the holder, still fp32 (a lower dtype would round them silently).
+        if name in GATE_PARAM_NAMES and HOLDER_NAME in self.__dict__.get("_modules", {}):
+            if isinstance(value, torch.Tensor) and value.dtype != torch.float32:
+                raise TypeError(f"{name} of a GatedDeltaNet with an fp32 gate holder must be fp32, got {value.dtype}")
+            setattr(self._modules[HOLDER_NAME], name, value)
+            return
+        super().__setattr__(name, value)
+
     def _fqn_modifiers(self) -> dict[str, str]:
         # torch.distributed.checkpoint.state_dict: `A_log` in a state-dict key lives on
         # the `_fp32_params` child (which state-dict keys do not show).

@@ -3,8 +3,8 @@ torchrun, with an unchanged Trainer script (tests/scripts/distributed_config_tra
 (FSDP2, HSDP) is sharded by the plugin at load, so the gates sit in fp32 holders when the weights load: a
 checkpoint saved as Qwen ships it (bf16 weights, fp32 gates, `dtype` "auto") trains them in fp32 from the
 checkpoint's values, bitwise, and an fp32 load equals one process (before: a bf16 load trained them bf16-rounded,
-silently). `QWEN35_ACCEL_DISTRIBUTED_CONFIG=check` keeps Transformers' units and refuses, on every rank, the loads
-that would round them."""
+silently). With tp (which Transformers shards), and under `QWEN35_ACCEL_DISTRIBUTED_CONFIG=check` for every
+layout, the loads that would round them are refused on every rank."""
 
 from __future__ import annotations
 
@@ -102,8 +102,12 @@ def test_fsdp_mixed_precision_keeps_the_gates_fp32(fp32_checkpoint, one_process,
     assert_trained_in_fp32(fp32_checkpoint, tmp_path)
 
 
-def test_check_refuses_transformers_units_on_a_bf16_load_on_every_rank(qwen_shaped, tmp_path):
-    result = _run(qwen_shaped, "auto", tmp_path, env={"QWEN35_ACCEL_DISTRIBUTED_CONFIG": "check"})
+@pytest.mark.parametrize("flags,env,why", [
+    ((), {"QWEN35_ACCEL_DISTRIBUTED_CONFIG": "check"}, ""),
+    (("--tp", "2"), None, "qwen35_accel shards data parallelism alone at load, not tp 2."),
+], ids=["check-fsdp2", "tp2"])
+def test_a_bf16_load_left_to_transformers_sharding_is_refused_on_every_rank(qwen_shaped, tmp_path, flags, env, why):
+    result = _run(qwen_shaped, "auto", tmp_path, 2, *flags, env=env)
     assert_refused_on_every_rank(result, "NotImplementedError", REFUSED)
     assert "the load dtype stores A_log/dt_bias as torch.bfloat16" in result.stderr, describe(result)
-    assert "accelerate_configs/fsdp2.yaml" in result.stderr, describe(result)
+    assert why in result.stderr and "accelerate_configs/fsdp2.yaml" in result.stderr, describe(result)

@@ -48,10 +48,10 @@ _PLUGIN_WAYS = (
 def plugin_shards(distributed_config: Any) -> str | None:
     """None where the plugin shards this `DistributedConfig` itself (data parallelism only), else why not."""
     sizes = {name: getattr(distributed_config, f"{name}_size", 1) or 1 for name in ("tp", "pp", "ep")}
-    if distributed_config.dp_size <= 1:
-        return "no data parallelism"
     if others := {name: size for name, size in sizes.items() if size > 1}:
         return ", ".join(f"{name} {size}" for name, size in others.items())
+    if distributed_config.dp_size <= 1:
+        return "without data parallelism"
     if getattr(distributed_config, "fsdp_plan", None):
         return "an fsdp_plan of the user's"
     return None
@@ -80,9 +80,11 @@ def _refuse_rounded_gates(model: nn.Module, distributed_config: Any) -> None:
 
     data_parallel = distributed_config.dp_size > 1
     reasons = []
-    if data_parallel and (rounded := rounded_gate_dtypes(model)):
-        reasons.append(f"the load dtype stores A_log/dt_bias as {', '.join(rounded)}, and Transformers' FSDP2 "
-                       "units train them so (the checkpoint holds them in fp32)")
+    if (rounded := rounded_gate_dtypes(model)):
+        # Every layout: Transformers' sharded model trains the gates as stored, and no preparation of
+        # the plugin's that would hold them in fp32 runs on it (FSDP2 units, or TP plans' replicas).
+        reasons.append(f"the load dtype stores A_log/dt_bias as {', '.join(rounded)}, and Transformers' sharded "
+                       "model trains them so (the checkpoint holds them in fp32)")
     if data_parallel and getattr(distributed_config, "fsdp_mixed_precision", False):
         reasons.append("fsdp_mixed_precision computes each decoder layer's unit, gates included, from bf16 casts")
     if reasons:

@@ -1,11 +1,11 @@
 """A Trainer script as users write it for Transformers' own sharding at load, under torchrun:
 
     python -m torch.distributed.run --nproc_per_node N tests/scripts/distributed_config_trainer.py PATH DTYPE OUT \
-        [--replicate R] [--mixed_precision]
+        [--replicate R] [--tp T] [--mixed_precision]
     python tests/scripts/distributed_config_trainer.py PATH DTYPE OUT        # one process: the reference
 
 Under torchrun the model loads with `from_pretrained(PATH, dtype=DTYPE, distributed_config=
-DistributedConfig(fsdp_size=N // R, dp_replicate_size=R, fsdp_mixed_precision=...))`; in one process
+DistributedConfig(fsdp_size=N // (R * T), dp_replicate_size=R, tp_size=T, fsdp_mixed_precision=...))`; in one process
 without `distributed_config`. DTYPE is a torch dtype name or "auto". Then 4 SGD steps of the recipe's
 tiny Qwen3.5 toy data (global batch 4 rows, each padded to 62 tokens) with an unchanged `Trainer`;
 OUT gets the saved model, `trainer_state.json` and, from rank 0, `gates_at_load.pt` (every
@@ -34,9 +34,10 @@ def main(path: str, dtype: str, out: Path) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     kwargs = {}
     if world > 1:
-        replicate = int(_option("--replicate", "1"))
+        replicate, tp = int(_option("--replicate", "1")), int(_option("--tp", "1"))
         kwargs["distributed_config"] = DistributedConfig(
-            fsdp_size=world // replicate, dp_replicate_size=replicate, fsdp_mixed_precision="--mixed_precision" in sys.argv
+            fsdp_size=world // (replicate * tp), dp_replicate_size=replicate, tp_size=tp,
+            fsdp_mixed_precision="--mixed_precision" in sys.argv,
         )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if dtype == "auto" else getattr(torch, dtype), **kwargs)
     gates = {

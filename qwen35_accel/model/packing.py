@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..ops.documents import document_groups
+
 # Set (True) on a text model whose layers see a sequence sharded across ranks (context
 # parallelism): its rows are not packed rows, and its own checks apply.
 SEQUENCE_SHARDED_ATTR = "_qwen35_sequence_sharded"
@@ -58,11 +60,12 @@ class DocumentLayout:
 
 
 def layout_from_starts(starts: torch.Tensor) -> DocumentLayout:
-    """`starts` [batch, seq] bool (every row's first token a start) -> the layout."""
-    flat = starts.reshape(-1)
+    """`starts` [batch, seq] bool (every row's first token a start) -> the layout (its
+    `cu_seq_lens` on `starts`' device), from one host copy of `starts`: one device-to-host read."""
+    flat = starts.reshape(-1).cpu()
     offsets = torch.nonzero(flat).flatten().to(torch.int32)
     cu = torch.cat([offsets, offsets.new_tensor([flat.numel()])])
-    return DocumentLayout(cu, int((cu[1:] - cu[:-1]).max()))
+    return DocumentLayout(cu.to(starts.device, non_blocking=True), int((cu[1:] - cu[:-1]).max()))
 
 
 def text_positions(position_ids: torch.Tensor, batch: int) -> torch.Tensor | None:
@@ -208,6 +211,7 @@ def _packing_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = layout.cu_seq_lens
     kwargs["max_length_q"] = kwargs["max_length_k"] = layout.max_length
     kwargs.pop("seq_idx", None)
+    document_groups(layout.cu_seq_lens)  # here, once: the GatedDeltaNet layers then wait on no host sync
     return args, kwargs
 
 

@@ -36,7 +36,8 @@ class DocumentGroup:
         return torch.where(self.valid.view(*self.valid.shape, *([1] * (x.dim() - 1))), x[self.index], 0)
 
 
-# Groups per `cu_seq_lens` tensor object: the packing hook hands every layer of a forward
+# Groups per `cu_seq_lens` tensor object: the packing hooks make them before the first layer
+# (`document_groups` there), so no layer's forward or backward waits on the host; they hand every layer of a forward
 # (and its recomputation) the same tensor, so the groups, whose sizes need one host sync,
 # are made once per forward instead of twice per GatedDeltaNet layer.
 # Keyed by id (tensors compare elementwise, so they cannot be dict keys by value); an
@@ -60,17 +61,20 @@ def document_groups(cu_seq_lens: torch.Tensor, multiple: int = 64) -> list[Docum
 
 
 def _groups(cu_seq_lens: torch.Tensor, multiple: int) -> list[DocumentGroup]:
-    cu = cu_seq_lens.long()
+    # On the host, from one copy of the offsets (a single device-to-host read for a device tensor;
+    # none for one that lives on the host): the group sizes decide shapes, which the host needs anyway.
+    cu = cu_seq_lens.detach().to("cpu", torch.long)
     starts, lengths = cu[:-1], cu[1:] - cu[:-1]
     padded = (lengths + multiple - 1) // multiple * multiple
     groups = []
     for size in torch.unique(padded).tolist():
         members = torch.nonzero(padded == size).flatten()
-        offsets = torch.arange(size, device=cu.device)
+        offsets = torch.arange(size)
         valid = offsets[None, :] < lengths[members, None]
         index = torch.where(valid, starts[members, None] + offsets[None, :], 0)
-        slots = valid.flatten().nonzero().flatten()  # with the groups' other syncs, once per forward
-        groups.append(DocumentGroup(members, index, valid, slots, index.flatten()[slots]))
+        slots = valid.flatten().nonzero().flatten()
+        parts = (members, index, valid, slots, index.flatten()[slots])
+        groups.append(DocumentGroup(*(t.to(cu_seq_lens.device, non_blocking=True) for t in parts)))
     return groups
 
 

@@ -24,6 +24,7 @@ from ...model.detect import qwen35_parts
 from ...model.fp32_gate import Fp32GateGatedDeltaNet
 from ...model.hub_kernels import swap_class
 from ...model.packing import SEQUENCE_SHARDED_ATTR, document_layout, text_positions
+from ...ops.causal_conv import fla_conv_kernel, select_conv_kernel
 from ..collectives import all_gather_flat
 from ..losses import VOCAB_GROUP_ATTR, CausalLMLoss
 from .attention import SUPPORTED_ATTENTION, ContextParallelAttention
@@ -150,6 +151,8 @@ def _check_inputs(
     for key in _PACKING_KWARGS:  # whole-row forms: the layers read `documents`
         kwargs.pop(key, None)
     if documents is not None:
+        device = (tokens if tokens is not None else position_ids).device
+        documents.precompute(module.config.linear_conv_kernel_dim - 1, select_conv_kernel(device) is fla_conv_kernel)
         kwargs[DOCUMENTS_KWARG] = documents
     # The layers take their masks from here, not from the text model: CP attention masks by
     # global position and document itself, and Transformers would otherwise build a

@@ -15,8 +15,8 @@ The fused head × model class × layout matrix TRL's trainers reach, and where e
 | fused-head caller | causal LM | VLM, text rows | VLM, images |
 |---|---|---|---|
 | SFT, Trainer-sharded rows | cp2, dp2×cp2, dp2×tp2, vocab-parallel (test_trl_launch) | cp2 (here) | cp2, dp2×cp2, cp2×tp2 (here) |
-| DPO/KTO, whole rows | cp2, cp2×tp2 (test_trl_preference_launch) | not tested | not tested |
-| GRPO/RLOO, whole rows | cp2, dp2×cp2, dp2×tp2 (test_trl_sampling_launch) | not tested | refused under cp (trl_sampling) |
+| DPO/KTO, whole rows | cp2, cp2×tp2 (test_trl_preference_launch) | DPO cp2 (here) | DPO cp2: refused on every rank (here) |
+| GRPO/RLOO, whole rows | cp2, dp2×cp2, dp2×tp2 (test_trl_sampling_launch) | GRPO cp2 (here) | GRPO cp2: refused on every rank (here) |
 
 A new combination lands with a cell here, or stays "not tested" in docs/vlm.md.
 """
@@ -27,11 +27,12 @@ import pytest
 from _launched import Run, register
 from _parity import assert_same_log_history, log_history
 
-from qwen35_accel.testing.launch import REPO
+from qwen35_accel.testing.launch import REPO, accelerate_launch_command, assert_refused_on_every_rank, run_launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # accelerate launch
 
 SCRIPT = REPO / "tests" / "scripts" / "trl_sft_vlm.py"
+OTHERS = REPO / "tests" / "scripts" / "trl_vlm_images.py"  # DPO and GRPO
 
 register(**{
     "trl_vlm/single": Run(None, SCRIPT, ("{out}", "2")),
@@ -44,6 +45,8 @@ register(**{
     # The 4-rank config with dp_shard 1 and tp 2: cp 2 x tp 2, one replica (one process's batch).
     "trl_vlm/cp2xtp2": Run("cpu_fsdp2_dp2_cp2.yaml", SCRIPT, ("{out}", "2"),
                            env={"PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "PARALLELISM_CONFIG_TP_SIZE": "2"}),
+    **{f"trl_vlm/{kind}-{where}": Run(config, OTHERS, ("{out}", kind, "--text_only"))
+       for kind in ("dpo", "grpo") for where, config in (("single", None), ("cp2", "cpu_fsdp2_cp2.yaml"))},
 })
 
 
@@ -67,3 +70,30 @@ def assert_trained_alike(got, want) -> None:
 ])
 def test_sft_trainer_on_the_vlm_under_cp_logs_what_one_replica_logs(launched, got, want):
     assert_trained_alike(launched(got).out, launched(want).out)
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("dpo", "TRL's fused head on whole rows under context parallelism shards input_ids, attention_mask, position_ids, "
+     "labels; this call also passes per-token mm_token_type_ids, which it would not shard (TRL's vision-language "
+     "collators pass them for rows with images or videos"),
+    ("grpo", "GRPOTrainer on a vision-language model under context parallelism (cp_size=2) is not supported"),
+], ids=["dpo", "grpo"])
+def test_preference_and_rl_trainers_with_images_under_cp_are_refused_on_every_rank(tmp_path, kind, message):
+    """TRL's DPOTrainer and GRPOTrainer on the VLM with image rows (tests/scripts/trl_vlm_images.py, which
+    trains in one process) under cp 2: refused before the first step, on every rank, with the reason."""
+    script = REPO / "tests" / "scripts" / "trl_vlm_images.py"
+    result = run_launch(accelerate_launch_command("cpu_fsdp2_cp2.yaml", script, str(tmp_path), kind))
+    assert_refused_on_every_rank(result, "NotImplementedError", message)
+
+
+@pytest.mark.parametrize("kind", [
+    pytest.param(kind, marks=pytest.mark.launches(f"trl_vlm/{kind}-single", f"trl_vlm/{kind}-cp2"), id=kind)
+    for kind in ("dpo", "grpo")
+])
+def test_dpo_and_grpo_on_the_vlms_text_rows_under_cp_log_what_one_process_logs(launched, kind):
+    """The VLM class with text-only rows (the tokenizer as the processing class): the whole-row fused head
+    (DPO) and replicated generation (GRPO) under cp 2 log one process's values, rtol 1e-5."""
+    got, want = launched(f"trl_vlm/{kind}-cp2").out, launched(f"trl_vlm/{kind}-single").out
+    logged = [e for e in log_history(want) if "loss" in e]
+    assert len(logged) == 2 and all(e["grad_norm"] > 0 for e in logged), logged
+    assert_same_log_history(got, want, rtol=1e-5, atol=1e-6, skip=("step_time",))  # GRPO's wall time

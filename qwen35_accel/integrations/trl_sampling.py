@@ -366,8 +366,6 @@ def _refusals(trainer: Any, cp: int) -> list[str]:
         ("tools", bool(getattr(trainer, "tools", None))),
         ("an environment_factory", getattr(trainer, "environment_factories", None) is not None),
     ]
-    if cp > 1:
-        found.append(("a vision-language model under cp", getattr(trainer, "_is_vlm", False)))
     return [what for what, present in found if present]
 
 
@@ -399,6 +397,13 @@ def _set_up_replica(trainer: Any, active: Replicas) -> None:
     mesh = trainer.accelerator.torch_device_mesh
     cp, tp = mesh_dim_size(mesh, "cp"), mesh_dim_size(mesh, "tp")
     name = type(trainer).__name__
+    if cp > 1 and getattr(trainer, "_is_vlm", False):
+        raise NotImplementedError(
+            f"{name} on a vision-language model under context parallelism (cp_size={cp}) is not supported by "
+            "qwen35_accel: TRL samples completions from image prompts once per process, and sharing those rows, "
+            "their images and their completions within a cp group is not built. Run it with cp_size 1 (tp_size and "
+            "data parallelism as configured), or train text-only prompts with the causal LM class."
+        )
     refused = _refusals(trainer, cp)
     if refused:
         raise NotImplementedError(

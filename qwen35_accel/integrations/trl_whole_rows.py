@@ -170,9 +170,15 @@ def shard_whole_rows(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         and key not in _SEQUENCE_KEYS
     ]
     if unknown:
+        multimodal = "mm_token_type_ids" in unknown or any(kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos"))
+        why = (
+            " (TRL's vision-language collators pass them for rows with images or videos: image and video rows through "
+            "TRL's preference trainers (DPO, KTO) under context parallelism are not supported; train them with cp_size 1, "
+            "or pass text-only rows)." if multimodal else ". Drop them, or run with cp_size 1."
+        )
         raise NotImplementedError(
             f"TRL's fused head on whole rows under context parallelism shards {', '.join(_SEQUENCE_KEYS)}; this call "
-            f"also passes per-token {', '.join(unknown)}, which it would not shard. Drop them, or run with cp_size 1."
+            f"also passes per-token {', '.join(unknown)}, which it would not shard{why}"
         )
     labels = kwargs["labels"]
     _check_same_rows(input_ids, labels, kwargs.get("attention_mask"), cp_mesh.get_group())

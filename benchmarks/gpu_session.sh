@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_session.sh run2    # there, only if device time is left: the 9B step, 1 GiB loss tiles, TF32 vs ieee
 #   bash benchmarks/gpu_session.sh offload # there, only if device time is left: carry [".whl"], timeout_s 300: activation
 #                                          # offload on/off at 32k and 64k tokens, peak memory and step time (~4 min)
+#   bash benchmarks/gpu_session.sh compile # there, only if device time is left: carry [".whl"], timeout_s 300: eager vs
+#                                          # inductor, Transformers' layers vs the plugin's per-layer regions (~4 min)
 #
 # The GPU image (see the device tool's KINDS.md) has torch 2.11 (supported), Transformers 5.17
 # (qwen35_accel needs 5.24), Triton 3.6 and no flash-linear-attention: `.whl` carries
@@ -127,8 +129,19 @@ offload)
         --timeout 120 --results-dir "$OUT" > "$OUT/offload_step.log" 2>&1 || echo "offload_step exited $?"
     grep -E '^\||\*\*' "$OUT/offload_step.log" || tail -c 3000 "$OUT/offload_step.log"
     ;;
+compile)
+    OUT=${OUT:-$PWD/gpu_session_out}
+    mkdir -p "$OUT"
+    install "$WHEELS"
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+    # torch.compile (issue 47): eager and inductor side by side, Transformers' layers compiled whole, the
+    # plugin's per decoder layer between its FSDP2 units (as under Accelerate's dynamo_config), 2B-shaped at 8k.
+    timeout 280 python3 benchmarks/gpu_step.py --models 2B --seqs 8192 --steps 3 --warmup 2 --torch_compile --budget 200 \
+        --timeout 130 --results-dir "$OUT" > "$OUT/gpu_step_compile.log" 2>&1 || echo "gpu_step (compile) exited $?"
+    grep '^|' "$OUT/gpu_step_compile.log" || tail -c 3000 "$OUT/gpu_step_compile.log"
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh fetch|hopper|run|run2|offload" >&2
+    echo "usage: bash benchmarks/gpu_session.sh fetch|hopper|run|run2|offload|compile" >&2
     exit 2
     ;;
 esac

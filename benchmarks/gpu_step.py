@@ -20,7 +20,9 @@ estimate of:
 Every configuration: activation checkpointing per decoder layer, batch 1, SGD (no optimizer
 state: a 9B model's fp32 weights and gradients are 72 GB already), `--warmup` untimed steps,
 then the median of `--steps` timed steps (CUDA synchronised). `--torch_compile` adds rows
-with every decoder layer compiled (`layer.compile()`, inductor). A configuration that runs
+compiled with inductor: Transformers' with every decoder layer compiled (`layer.compile()`), the
+plugin's per decoder layer between its FSDP2 units, as the Accelerate integration compiles them
+(`parallel.regional_compile`). A configuration that runs
 out of memory is reported as OOM and the run goes on; `--layers` cuts the depth (stated in
 the results) when whole models do not fit.
 
@@ -153,9 +155,14 @@ def _worker(rank: int, world: int, name: str, config_dict: dict, seq: int, steps
                 batch = shard_batch(batch, mesh["cp"])
             autocast = torch.autocast(device_type, enabled=False)
             layers = model.model.layers
-        if compiled:
+        if compiled and name == "transformers":
             for layer in layers:
                 layer.compile()
+        elif compiled:  # as the plugin compiles under Accelerate's dynamo_config: the regions between FSDP2 units
+            from qwen35_accel.model.detect import qwen35_parts
+            from qwen35_accel.parallel.regional_compile import compile_layer_regions
+
+            compile_layer_regions(qwen35_parts(model), context_parallel=world > 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
         if device_type == "cuda":
             torch.cuda.reset_peak_memory_stats()

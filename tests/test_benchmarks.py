@@ -294,3 +294,15 @@ def test_offload_step_smoke_reports_saved_bytes_and_step_time_with_and_without_o
                                            ("checkpointing + offload", "0"), ("checkpointing + offload", "1")], stdout
     assert all(float(r[4]) > 0 and int(r[5]) == 3 for r in rows[2:]), stdout  # in host memory; 3 of 4 layers prefetched
     assert len({r[-1] for r in rows}) == 1, stdout  # the same loss to the printed decimals: offload copies exactly
+
+
+def test_compile_step_smoke_reports_each_world_without_a_graph_break():
+    stdout = _smoke("compile_step.py")
+    rows = _table_rows(stdout, "| world | compiled | eager (ms) | compiled (ms) |")
+    assert [r[0] for r in rows] == ["one process", "FSDP2, 2 ranks", "CP 2, 2 ranks"], stdout
+    assert [r[1] for r in rows] == [
+        "the whole model",
+        "norms, MLP, attention, GatedDeltaNet projections and gated output, GatedDeltaNet conv and gated delta rule (torch functions)",
+        "norms, MLP, GatedDeltaNet projections and gated output",
+    ], stdout
+    assert [r[-1] for r in rows] == ["0", "0", "0"], stdout  # graph breaks in a compiled step

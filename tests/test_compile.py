@@ -5,8 +5,13 @@ every rank (`AssertionError: Expected CellVariable, got UserDefinedObjectVariabl
 dynamo traced the GatedDeltaNet layer's kernel choice, which reads the closure cells of
 Transformers' Hub-kernel wrappers (now a constant computed outside the trace).
 
+Under the Accelerate integration (no tp) the plugin compiles per decoder layer instead
+(`parallel.regional_compile`): the regions between FSDP2 unit boundaries, so a step breaks no
+graph (the whole-model compile above breaks at every unit's hooks: 14 breaks in a step of the
+tiny model).
+
 `aot_eager` traces forward and backward as inductor does, without its code generation (minutes
-on 2 cores); speed is the benchmarks' business (issue 47)."""
+on 2 cores); speed is the benchmarks' business (issue 47, `benchmarks/compile_step.py`)."""
 
 from __future__ import annotations
 
@@ -47,3 +52,45 @@ def _worker(rank: int, world: int) -> None:
 
 def test_a_compiled_fsdp2_model_traces_and_equals_eager():
     run_world(_worker, 2)
+
+
+def _regional_worker(rank: int, world: int, cp: int) -> None:
+    from torch._dynamo.utils import counters
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.model.detect import qwen35_parts
+    from qwen35_accel.parallel.regional_compile import compile_layer_regions
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, packed_documents, random_batch
+
+    mesh = init_device_mesh("cpu", (1, world // cp, cp, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    eager, model = (PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh, activation_checkpointing=True) for _ in range(2))
+    regions = compile_layer_regions(qwen35_parts(model), context_parallel=cp > 1, backend="aot_eager")
+    assert regions == ("norms, MLP, GatedDeltaNet projections and gated output" if cp > 1
+                       else "norms, MLP, attention, GatedDeltaNet projections and gated output, GatedDeltaNet conv and "
+                       "gated delta rule (torch functions)"), regions
+    packed, _ = packed_documents([5, 20, 7, 32], eager.config.vocab_size, seed=rank)  # one packed row of 4 documents
+    padded = random_batch(2, 32, eager.config.vocab_size, seed=rank)
+    for batch in (padded, packed):  # the conv and rule compiled (not under cp) for unpacked rows only
+        if cp > 1:
+            batch = shard_batch(batch, mesh["cp"])
+        for m in (eager, model):
+            m.zero_grad()
+        want = eager(**batch).loss
+        want.backward()
+        torch._dynamo.reset()
+        counters.clear()
+        got = model(**batch).loss
+        got.backward()
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] >= 4, dict(counters["stats"])  # norms, MLP, GatedDeltaNet steps
+        assert_close(got.detach(), want.detach(), "loss")
+        grads = dict(eager.named_parameters())
+        for name, p in model.named_parameters():
+            assert_close(p.grad.full_tensor(), grads[name].grad.full_tensor(), f"grad of {name}")
+
+
+@pytest.mark.parametrize("cp", [1, 2], ids=["fsdp2", "cp2"])
+def test_per_layer_regions_compile_without_a_graph_break_and_equal_eager(cp):
+    run_world(_regional_worker, 2, cp)

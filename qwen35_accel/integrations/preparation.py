@@ -173,6 +173,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     mesh = _fsdp_mesh(accelerator)
     offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
     tensor_parallel = mesh_dim_size(mesh, "tp") > 1
+    model, compile_kwargs = _per_layer_compile(accelerator, model, tensor_parallel)
     if tensor_parallel and settings.vocab_parallel_lm_head:
         from ..model.detect import unwrap_qwen35
         from .trl_fused_head import check_no_unwrapped_trl_head
@@ -224,16 +225,47 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     cp = mesh_dim_size(mesh, "cp")
     from ..ops.kernels import run_summary
 
-    # Accelerate's dynamo_config compiles the whole model before this wrap (an OptimizedModule).
-    compiled = ", torch.compile: the whole model (Accelerate's dynamo_config; each FSDP2 unit's hooks break the graph)"
+    if compile_kwargs is not None:
+        from ..model.detect import qwen35_parts
+        from ..parallel.regional_compile import compile_layer_regions
+
+        regions = compile_layer_regions(qwen35_parts(model), context_parallel=cp > 1, **compile_kwargs)
+        compiled = (f", torch.compile (Accelerate's dynamo_config): per decoder layer, {regions}; eager: the FSDP2 units' "
+                    "hooks, the gate holders, the loss head, CUDA kernels, packed rows' conv and rule, CP's collectives")
+    elif hasattr(model, "_orig_mod"):  # under tp: Accelerate's dynamo_config compiled the whole model before this wrap
+        compiled = ", torch.compile: the whole model (Accelerate's dynamo_config; each FSDP2 unit's hooks break the graph)"
+    else:
+        compiled = ""
     main_process_note(
         f"{type(getattr(model, '_orig_mod', model)).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
         f"activation checkpointing: {checkpointing}, loss: {loss_in_effect(model)}, "
         f"GatedDeltaNet kernels: {run_summary(accelerator.device)}{_hub_kernels_note(model)}"
-        f"{compiled if hasattr(model, '_orig_mod') else ''}"
+        f"{compiled}"
     )
     return model
+
+
+def _per_layer_compile(accelerator: Any, model: nn.Module, tensor_parallel: bool) -> tuple[nn.Module, dict[str, Any] | None]:
+    """Where Accelerate's dynamo_config is set, it compiled `model` before this preparation: whole
+    (an `OptimizedModule`) or, with `use_regional_compilation`, each decoder layer in place, FSDP2's
+    hooks inside either way. Without tp the plugin compiles per layer instead
+    (`parallel.regional_compile`, after sharding): returns the uncompiled model (Accelerate's list of
+    prepared models updated to it) and the compile keyword arguments; otherwise (`model`, None)."""
+    from accelerate.utils import DynamoBackend
+
+    dynamo = getattr(accelerator.state, "dynamo_plugin", None)
+    if dynamo is None or dynamo.backend == DynamoBackend.NO or tensor_parallel:
+        return model, None
+    inner = model.__dict__.get("_modules", {}).get("_orig_mod")
+    if isinstance(inner, nn.Module) and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        models = accelerator._models  # Accelerate appended the compiled wrapper before calling this preparation
+        accelerator._models = [inner if m is model else m for m in models]
+        model = inner
+    for module in model.modules():  # use_regional_compilation: Accelerate's per-block compile, undone
+        if module.__dict__.get("_compiled_call_impl") is not None:
+            module._compiled_call_impl = None
+    return model, dynamo.to_kwargs()
 
 
 def _hub_kernels_note(model: nn.Module) -> str:

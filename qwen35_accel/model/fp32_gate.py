@@ -40,6 +40,7 @@ KEEPS_STATES = hasattr(Cache, "get_recurrent_states_to_keep")
 HOLDER_NAME = "_fp32_params"
 RESTORED_GATES_ATTR = "_qwen35_restored_gates"  # how many gate tensors took the checkpoint's values back
 GATE_PARAM_NAMES = ("A_log", "dt_bias")
+COMPILED_STEPS_ATTR = "_qwen35_compiled_steps"  # {"project"|"output"|"mix": compiled step}, by parallel.regional_compile
 
 
 class GateInput:
@@ -173,21 +174,43 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         if "cache_params" in kwargs:  # the deprecated name Transformers still accepts
             cache = kwargs.pop("cache_params")
         self.check_call(cache, kwargs)
-        hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
-        batch_size, seq_len, _ = hidden_states.shape
+        # torch.compile'd per layer (`parallel.regional_compile`): the steps before and after the
+        # gate holder, whose FSDP2 hooks stay outside every compiled region.
+        steps = self.__dict__.get(COMPILED_STEPS_ATTR) or {}
+        mixed_qkv, z, beta, a = steps.get("project", self._project)(hidden_states, attention_mask)
+        g = self.gate(a)
+        if "mix" in steps and cache is None and kwargs.get("cu_seq_lens_q") is None:
+            return steps["mix"](mixed_qkv, z, g, beta, None, kwargs)
+        return self._mix(mixed_qkv, z, g, beta, cache, kwargs, output=steps.get("output"))
 
-        mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
-        z = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.head_v_dim)
-        b = self.in_proj_b(hidden_states)
-        a = self.in_proj_a(hidden_states)
-
+    def _mix(
+        self,
+        mixed_qkv: torch.Tensor,
+        z: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        cache: Any | None,
+        kwargs: dict[str, Any],
+        output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The causal conv, the gated delta rule and the gated output (`output`, default
+        `_gated_output`): `_project`'s mixed_qkv and z, the gate g, beta -> [batch, seq, hidden]."""
         mixed_qkv = self.conv(mixed_qkv, cache, kwargs)
         query, key, value = self._split_heads(mixed_qkv.transpose(1, 2))
-
-        beta = b.sigmoid()
-        g = self.gate(a)
         core_attn_out = self.core(query, key, value, g, beta, cache, kwargs)
-        return self._gated_output(core_attn_out, z)
+        return (output or self._gated_output)(core_attn_out, z)
+
+    def _project(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Padding zeroed, then the input projections: [batch, seq, hidden] -> (mixed_qkv
+        [batch, conv_dim, seq], z [batch, seq, v_heads, v_dim], beta and a [batch, seq, v_heads])."""
+        hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
+        batch_size, seq_len, _ = hidden_states.shape
+        mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
+        z = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.head_v_dim)
+        beta = self.in_proj_b(hidden_states).sigmoid()
+        return mixed_qkv, z, beta, self.in_proj_a(hidden_states)
 
     def check_call(self, cache: Any | None, kwargs: dict[str, Any]) -> None:
         """Refuse what this layer cannot compute (nothing here; the CP layer refuses caches)."""

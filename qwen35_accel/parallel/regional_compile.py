@@ -1,0 +1,70 @@
+"""torch.compile per decoder layer, in the regions that hold no FSDP2 unit boundary.
+
+Compiling a whole FSDP2-sharded model breaks the graph at every unit's hooks (FSDP2 runs them
+eagerly), and each GatedDeltaNet layer holds a unit of its own, the fp32 gate holder, in the
+middle of its forward. So the compiled regions are the ones between those boundaries, compiled
+before sharding as torchtitan compiles its blocks: in every decoder layer the two RMSNorms and
+the MLP (`nn.Module.compile`, in place), the attention block where it runs no collective (not
+under CP, whose attention exchanges K/V), and the GatedDeltaNet layer's steps before and after
+the gate (`_project`: padding mask, projections, beta; `_gated_output`: gated RMSNorm and
+`out_proj`), and where they are Transformers' torch functions (CPU; no CUDA kernel) and the row
+is not packed, the causal conv and the gated delta rule with the output (`_mix`). Eager: CUDA
+kernels (FLA's Triton rule and conv, causal-conv1d: compiled already), packed rows (their
+document groups are host-side bookkeeping), CP's conv and rule (collectives), the gate holder,
+the loss head.
+Under tensor parallelism nothing is compiled here (its layers compute on DTensors).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..model.detect import Qwen35Parts
+from ..model.fp32_gate import COMPILED_STEPS_ATTR, has_fp32_gate
+from ..model.kernel_functions import kernel_source
+
+
+def _torch_kernels(layer: nn.Module) -> bool:
+    """Whether `layer`'s conv and chunked rule run Transformers' torch functions on its device
+    (CPU, or no usable CUDA kernel): plain torch code that compiles. CUDA kernels (FLA's Triton
+    rule and conv, causal-conv1d) are left out of the compiled regions."""
+    device = layer.in_proj_qkv.weight.device
+    if device.type == "cpu":  # the packages' kernels are CUDA-only: Transformers' torch functions run
+        return True
+    return all(kernel_source(name, package, str(device)) == "torch"
+               for name, package in (("torch_chunk_gated_delta_rule", "fla"), ("causal_conv1d_fn", "causal_conv1d")))
+
+
+def compile_layer_regions(parts: Qwen35Parts, *, context_parallel: bool, **compile_kwargs: Any) -> str:
+    """Compile the regions of every decoder layer of `parts` (see the module doc) with
+    `torch.compile(**compile_kwargs)`; before FSDP2 sharding, after the fp32 gate holders and
+    the CP layers' class swaps (precondition: a GatedDeltaNet layer holds its `_fp32_params`).
+    Returns what was compiled, in words, for the prepared line."""
+    compiled: set[str] = set()
+    for layer in parts.decoder_layers:
+        for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+            module = getattr(layer, name, None)
+            if isinstance(module, nn.Module):
+                module.compile(**compile_kwargs)
+                compiled.add("MLP" if name == "mlp" else "norms")
+        attention = getattr(layer, "self_attn", None)
+        if isinstance(attention, nn.Module) and not context_parallel:
+            attention.compile(**compile_kwargs)
+            compiled.add("attention")
+        linear = getattr(layer, "linear_attn", None)
+        if linear is not None:
+            if not has_fp32_gate(linear):
+                raise ValueError(f"compile_layer_regions: {type(linear).__name__} has no fp32 gate holder; install it first")
+            steps = {"project": torch.compile(linear._project, **compile_kwargs),
+                     "output": torch.compile(linear._gated_output, **compile_kwargs)}
+            compiled.add("GatedDeltaNet projections and gated output")
+            if not context_parallel and _torch_kernels(linear):
+                steps["mix"] = torch.compile(linear._mix, **compile_kwargs)
+                compiled.add("GatedDeltaNet conv and gated delta rule (torch functions)")
+            linear.__dict__[COMPILED_STEPS_ATTR] = steps
+    order = ("norms", "MLP", "attention", "GatedDeltaNet projections and gated output",
+             "GatedDeltaNet conv and gated delta rule (torch functions)")
+    return ", ".join(part for part in order if part in compiled)

@@ -25,7 +25,6 @@ once. `check` refuses and leaves as for those layouts; `stock` leaves every load
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 from torch import nn
@@ -33,8 +32,6 @@ from torch import nn
 from .notices import main_process_note
 from .settings import PluginSettings
 from .targets import is_dense_qwen35_module
-
-logger = logging.getLogger(__name__)
 
 _PLUGIN_WAYS = (
     "qwen35_accel trains them in fp32 when Accelerate prepares the model: launch with an FSDP2 Accelerate config "

@@ -402,7 +402,7 @@ def _set_up_replica(trainer: Any, active: Replicas) -> None:
             f"{name} on a vision-language model under context parallelism (cp_size={cp}) is not supported by "
             "qwen35_accel: TRL samples completions from image prompts once per process, and sharing those rows, "
             "their images and their completions within a cp group is not built. Run it with cp_size 1 (tp_size and "
-            "data parallelism as configured), or train text-only prompts with the causal LM class."
+            "data parallelism as configured), or pass text-only prompts (the tokenizer as processing_class)."
         )
     refused = _refusals(trainer, cp)
     if refused:

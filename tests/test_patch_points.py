@@ -39,3 +39,21 @@ def test_install_refuses_to_run_without_the_registry_and_says_how(monkeypatch):
     monkeypatch.setattr(activation, "_points", [])
     with pytest.raises(RuntimeError, match=r"no patch points are registered; install through qwen35_accel.install\(\)"):
         activation.install()
+
+
+@pytest.mark.parametrize("sizes,why_not", [
+    ({"fsdp_size": 2}, None),
+    ({"fsdp_size": 2, "dp_replicate_size": 2}, None),
+    ({"tp_size": 2}, "tp 2"),
+    ({"fsdp_size": 2, "tp_size": 2}, "tp 2"),
+    ({"fsdp_size": 2, "fsdp_plan": {"model.layers.*": "free_full_weight"}}, "an fsdp_plan of the user's"),
+], ids=["fsdp2", "hsdp", "tp2", "fsdp2xtp2", "users-fsdp-plan"])
+def test_transformers_sharding_takes_over_data_parallelism_alone(sizes, why_not):
+    """`maybe_distribute_model`'s decision (read from the configuration only, the same on every rank):
+    the plugin shards FSDP2/HSDP at load; any other layout, or a plan of the user's, stays Transformers'
+    (tests/test_transformers_sharding.py runs both under torchrun)."""
+    from transformers.distributed import DistributedConfig
+
+    from qwen35_accel.integrations.transformers_sharding import plugin_shards
+
+    assert plugin_shards(DistributedConfig(**sizes)) == why_not

@@ -91,3 +91,33 @@ def _regional_worker(rank: int, world: int, cp: int) -> None:
 @pytest.mark.parametrize("cp", [1, 2], ids=["fsdp2", "cp2"])
 def test_per_layer_regions_compile_without_a_graph_break_and_equal_eager(cp):
     run_world(_regional_worker, 2, cp)
+
+
+def _accelerate_worker(rank: int, world: int) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch._dynamo.utils import counters
+
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
+
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2), dynamo_backend="aot_eager")
+    model = build_tiny_causal_lm(seed=0)
+    # An evaluation before training prepares the model alone (the Trainer's evaluation loop under FSDP), then
+    # training prepares it again with its optimizer; Accelerate compiles it (whole) before each FSDP2 preparation.
+    evaluated = accelerator.prepare(model)
+    assert type(evaluated).__name__ == "FSDPQwen3_5ForCausalLM", type(evaluated)  # not torch.compile's wrapper
+    assert not any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in accelerator._models), accelerator._models
+    optimizer = torch.optim.SGD(evaluated.parameters(), lr=0.1)
+    trained, optimizer = accelerator.prepare(evaluated, optimizer)
+    assert trained is evaluated  # prepared once: the second prepare undid Accelerate's whole-model compile
+    assert trained.model.layers[0].mlp._compiled_call_impl is not None  # and kept the plugin's regions
+    batch = random_batch(2, 16, trained.config.vocab_size, seed=rank)
+    torch._dynamo.reset()
+    counters.clear()
+    accelerator.backward(trained(**batch).loss)
+    optimizer.step()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+def test_accelerates_dynamo_config_prepares_a_model_twice_into_the_same_compiled_units():
+    run_world(_accelerate_worker, 2)

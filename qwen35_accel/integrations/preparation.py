@@ -159,8 +159,9 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     from ..parallel.tensor_parallel import check_no_cpu_offload
     from ..parallelization import PARALLELIZER, mesh_dim_size
 
-    if isinstance(model, FSDPModule):
-        return model
+    model, compile_kwargs = _per_layer_compile(accelerator, model)
+    if isinstance(model, FSDPModule) or isinstance(model.__dict__.get("_modules", {}).get("_orig_mod"), FSDPModule):
+        return model  # prepared already (and compiled again by Accelerate: undone above without tp)
     settings = PluginSettings.from_env(strict=True)
     check_same_on_every_rank(settings)  # before any collective that a setting chooses
     plugin = accelerator.state.fsdp_plugin
@@ -173,7 +174,6 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     mesh = _fsdp_mesh(accelerator)
     offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
     tensor_parallel = mesh_dim_size(mesh, "tp") > 1
-    model, compile_kwargs = _per_layer_compile(accelerator, model, tensor_parallel)
     if tensor_parallel and settings.vocab_parallel_lm_head:
         from ..model.detect import unwrap_qwen35
         from .trl_fused_head import check_no_unwrapped_trl_head
@@ -246,7 +246,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     return model
 
 
-def _per_layer_compile(accelerator: Any, model: nn.Module, tensor_parallel: bool) -> tuple[nn.Module, dict[str, Any] | None]:
+def _per_layer_compile(accelerator: Any, model: nn.Module) -> tuple[nn.Module, dict[str, Any] | None]:
     """Where Accelerate's dynamo_config is set, it compiled `model` before this preparation: whole
     (an `OptimizedModule`) or, with `use_regional_compilation`, each decoder layer in place, FSDP2's
     hooks inside either way. Without tp the plugin compiles per layer instead
@@ -254,16 +254,21 @@ def _per_layer_compile(accelerator: Any, model: nn.Module, tensor_parallel: bool
     prepared models updated to it) and the compile keyword arguments; otherwise (`model`, None)."""
     from accelerate.utils import DynamoBackend
 
+    from ..parallelization import mesh_dim_size
+
     dynamo = getattr(accelerator.state, "dynamo_plugin", None)
-    if dynamo is None or dynamo.backend == DynamoBackend.NO or tensor_parallel:
+    mesh = getattr(accelerator, "torch_device_mesh", None)  # tp needs Accelerate's ParallelismConfig, hence its mesh
+    if dynamo is None or dynamo.backend == DynamoBackend.NO or (mesh is not None and mesh_dim_size(mesh, "tp") > 1):
         return model, None
     inner = model.__dict__.get("_modules", {}).get("_orig_mod")
     if isinstance(inner, nn.Module) and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         models = accelerator._models  # Accelerate appended the compiled wrapper before calling this preparation
         accelerator._models = [inner if m is model else m for m in models]
         model = inner
-    for module in model.modules():  # use_regional_compilation: Accelerate's per-block compile, undone
-        if module.__dict__.get("_compiled_call_impl") is not None:
+    from ..parallel.regional_compile import REGION_ATTR
+
+    for module in model.modules():  # use_regional_compilation: Accelerate's per-block compile, undone (not ours)
+        if module.__dict__.get("_compiled_call_impl") is not None and not module.__dict__.get(REGION_ATTR):
             module._compiled_call_impl = None
     return model, dynamo.to_kwargs()
 

@@ -38,6 +38,14 @@ def _torch_kernels(layer: nn.Module) -> bool:
                for name, package in (("torch_chunk_gated_delta_rule", "fla"), ("causal_conv1d_fn", "causal_conv1d")))
 
 
+REGION_ATTR = "_qwen35_compiled_region"  # on the modules compiled here (in place, `nn.Module.compile`)
+
+
+def _compile_module(module: nn.Module, compile_kwargs: dict[str, Any]) -> None:
+    module.compile(**compile_kwargs)
+    module.__dict__[REGION_ATTR] = True
+
+
 def compile_layer_regions(parts: Qwen35Parts, *, context_parallel: bool, **compile_kwargs: Any) -> str:
     """Compile the regions of every decoder layer of `parts` (see the module doc) with
     `torch.compile(**compile_kwargs)`; before FSDP2 sharding, after the fp32 gate holders and
@@ -48,11 +56,11 @@ def compile_layer_regions(parts: Qwen35Parts, *, context_parallel: bool, **compi
         for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
             module = getattr(layer, name, None)
             if isinstance(module, nn.Module):
-                module.compile(**compile_kwargs)
+                _compile_module(module, compile_kwargs)
                 compiled.add("MLP" if name == "mlp" else "norms")
         attention = getattr(layer, "self_attn", None)
         if isinstance(attention, nn.Module) and not context_parallel:
-            attention.compile(**compile_kwargs)
+            _compile_module(attention, compile_kwargs)
             compiled.add("attention")
         linear = getattr(layer, "linear_attn", None)
         if linear is not None:

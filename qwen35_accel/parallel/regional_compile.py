@@ -2,8 +2,9 @@
 
 Compiling a whole FSDP2-sharded model breaks the graph at every unit's hooks (FSDP2 runs them
 eagerly), and each GatedDeltaNet layer holds a unit of its own, the fp32 gate holder, in the
-middle of its forward. So the compiled regions are the ones between those boundaries, compiled
-before sharding as torchtitan compiles its blocks: in every decoder layer the two RMSNorms and
+middle of its forward. So the compiled regions are the ones between those boundaries (torchtitan
+compiles whole blocks before sharding them; here no region holds a unit, so they compile after
+the parallelizer as well): in every decoder layer the two RMSNorms and
 the MLP (`nn.Module.compile`, in place), the attention block where it runs no collective (not
 under CP, whose attention exchanges K/V), and the GatedDeltaNet layer's steps before and after
 the gate (`_project`: padding mask, projections, beta; `_gated_output`: gated RMSNorm and
@@ -11,8 +12,8 @@ the gate (`_project`: padding mask, projections, beta; `_gated_output`: gated RM
 is not packed, the causal conv and the gated delta rule with the output (`_mix`). Eager: CUDA
 kernels (FLA's Triton rule and conv, causal-conv1d: compiled already), packed rows (their
 document groups are host-side bookkeeping), CP's conv and rule (collectives), the gate holder,
-the loss head.
-Under tensor parallelism nothing is compiled here (its layers compute on DTensors).
+the loss head. The Accelerate integration compiles here only without tp (its layers compute on
+DTensors; under tp Accelerate's whole-model compile stays).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def _compile_module(module: nn.Module, compile_kwargs: dict[str, Any]) -> None:
 
 def compile_layer_regions(parts: Qwen35Parts, *, context_parallel: bool, **compile_kwargs: Any) -> str:
     """Compile the regions of every decoder layer of `parts` (see the module doc) with
-    `torch.compile(**compile_kwargs)`; before FSDP2 sharding, after the fp32 gate holders and
-    the CP layers' class swaps (precondition: a GatedDeltaNet layer holds its `_fp32_params`).
+    `torch.compile(**compile_kwargs)`, after `PARALLELIZER.apply` (precondition: a GatedDeltaNet
+    layer holds its `_fp32_params`, and CP's layers are installed when `context_parallel`).
     Returns what was compiled, in words, for the prepared line."""
     compiled: set[str] = set()
     for layer in parts.decoder_layers:

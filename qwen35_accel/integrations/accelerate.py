@@ -10,7 +10,9 @@ gloo (for every model) instead of silently training N independent copies.
 The package holds one module per concern: `patches` (the registry: each point's target,
 guard and wrapper, declared as data), `activation` (install, uninstall, status over the
 registered points; it imports no wrapper), `cpu_backend` (gloo on CPU, the bounded exit
-teardown), `preparation` (FSDP2/TP/CP preparation), `step_hooks` (per-step CP padding and
+teardown), `preparation` (FSDP2/TP/CP preparation), `compilation` (Accelerate's dynamo_config
+compiled per layer), `transformers_sharding` (Transformers' `distributed_config` at load),
+`step_hooks` (per-step CP padding and
 sharding, clipping), `evaluation` (gathering and whole logits for evaluation),
 `several_models` (a frozen reference model beside the policy), `trl_trainers` (which TRL
 trainers are refused where, and why), `checkpoints` (TP checkpoint loading, the Trainer's

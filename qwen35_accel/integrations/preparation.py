@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compilation import compile_prepared, take_over_compile
 from .notices import main_process_note
 from .settings import PluginSettings, check_same_on_every_rank
 from .targets import is_dense_qwen35_module, the_model
@@ -159,7 +160,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     from ..parallel.tensor_parallel import check_no_cpu_offload
     from ..parallelization import PARALLELIZER, mesh_dim_size
 
-    model, compile_kwargs = _per_layer_compile(accelerator, model)
+    model, compile_kwargs = take_over_compile(accelerator, model)
     if isinstance(model, FSDPModule) or isinstance(model.__dict__.get("_modules", {}).get("_orig_mod"), FSDPModule):
         return model  # prepared already (and compiled again by Accelerate: undone above without tp)
     settings = PluginSettings.from_env(strict=True)
@@ -225,17 +226,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     cp = mesh_dim_size(mesh, "cp")
     from ..ops.kernels import run_summary
 
-    if compile_kwargs is not None:
-        from ..model.detect import qwen35_parts
-        from ..parallel.regional_compile import compile_layer_regions
-
-        regions = compile_layer_regions(qwen35_parts(model), context_parallel=cp > 1, **compile_kwargs)
-        compiled = (f", torch.compile (Accelerate's dynamo_config): per decoder layer, {regions}; eager: the FSDP2 units' "
-                    "hooks, the gate holders, the loss head, CUDA kernels, packed rows' conv and rule, CP's collectives")
-    elif hasattr(model, "_orig_mod"):  # under tp: Accelerate's dynamo_config compiled the whole model before this wrap
-        compiled = ", torch.compile: the whole model (Accelerate's dynamo_config; each FSDP2 unit's hooks break the graph)"
-    else:
-        compiled = ""
+    compiled = compile_prepared(model, compile_kwargs, context_parallel=cp > 1)
     main_process_note(
         f"{type(getattr(model, '_orig_mod', model)).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
@@ -244,33 +235,6 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         f"{compiled}"
     )
     return model
-
-
-def _per_layer_compile(accelerator: Any, model: nn.Module) -> tuple[nn.Module, dict[str, Any] | None]:
-    """Where Accelerate's dynamo_config is set, it compiled `model` before this preparation: whole
-    (an `OptimizedModule`) or, with `use_regional_compilation`, each decoder layer in place, FSDP2's
-    hooks inside either way. Without tp the plugin compiles per layer instead
-    (`parallel.regional_compile`, after sharding): returns the uncompiled model (Accelerate's list of
-    prepared models updated to it) and the compile keyword arguments; otherwise (`model`, None)."""
-    from accelerate.utils import DynamoBackend
-
-    from ..parallelization import mesh_dim_size
-
-    dynamo = getattr(accelerator.state, "dynamo_plugin", None)
-    mesh = getattr(accelerator, "torch_device_mesh", None)  # tp needs Accelerate's ParallelismConfig, hence its mesh
-    if dynamo is None or dynamo.backend == DynamoBackend.NO or (mesh is not None and mesh_dim_size(mesh, "tp") > 1):
-        return model, None
-    inner = model.__dict__.get("_modules", {}).get("_orig_mod")
-    if isinstance(inner, nn.Module) and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        models = accelerator._models  # Accelerate appended the compiled wrapper before calling this preparation
-        accelerator._models = [inner if m is model else m for m in models]
-        model = inner
-    from ..parallel.regional_compile import REGION_ATTR
-
-    for module in model.modules():  # use_regional_compilation: Accelerate's per-block compile, undone (not ours)
-        if module.__dict__.get("_compiled_call_impl") is not None and not module.__dict__.get(REGION_ATTR):
-            module._compiled_call_impl = None
-    return model, dynamo.to_kwargs()
 
 
 def _hub_kernels_note(model: nn.Module) -> str:

@@ -1,4 +1,4 @@
-"""The fp32 gate holder of Qwen3.5's GatedDeltaNet.
+"""The GatedDeltaNet layer that takes its decay gate from an fp32 holder (`model.gate_holder`).
 
 `A_log` and `dt_bias` define the per-head decay `g = -exp(A_log) * softplus(a + dt_bias)`.
 They must be stored and used in fp32: bf16 rounding of `A_log` shifts the decay rate of
@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
@@ -27,6 +26,15 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from ..ops.causal_conv import fla_conv_kernel
 from ..ops.documents import per_document
 from .checkpoint_gates import restore_checkpoint_gates
+from .gate_holder import (  # noqa: F401  (re-exported: the names the package's other modules import from here)
+    GATE_PARAM_NAMES,
+    HOLDER_NAME,
+    Fp32GateParams,
+    GateInput,
+    _gate_load_state_dict_pre_hook,
+    _gate_state_dict_post_hook,
+    transformers_name,
+)
 from .hub_kernels import swap_class, turn_off_hub_kernels
 from .kernel_functions import kernel_function as _kernel
 from .kernel_functions import varlen_kernel as _varlen_kernel
@@ -37,91 +45,8 @@ from .packing import install_packing_hook
 # layer stays bitwise Transformers' (the split changes the gradients' layout, hence their rounding).
 KEEPS_STATES = hasattr(Cache, "get_recurrent_states_to_keep")
 
-HOLDER_NAME = "_fp32_params"
 RESTORED_GATES_ATTR = "_qwen35_restored_gates"  # how many gate tensors took the checkpoint's values back
-GATE_PARAM_NAMES = ("A_log", "dt_bias")
 COMPILED_STEPS_ATTR = "_qwen35_compiled_steps"  # {"project"|"output"|"mix": compiled step}, by parallel.regional_compile
-
-
-class GateInput:
-    """The holder's input `a` in a wrapper FSDP2 does not look into (it traverses only
-    tensors, dicts, lists, tuples and dataclasses).
-
-    FSDP2 runs a unit's post-backward, its gradient reduce-scatter, once the gradients of
-    the tensors its forward received exist. For the holder that is mid-way through its
-    layer's backward: one more point per layer where ranks wait for each other (gloo
-    collectives are synchronous; 2-3% of a small model's step on CPU). Given no tensor,
-    FSDP2 reduces the holder from its end-of-backward callback, after the other units.
-    Autograd is unaffected: gradients still flow to `a`.
-    """
-
-    __slots__ = ("a",)
-
-    def __init__(self, a: torch.Tensor) -> None:
-        self.a = a
-
-
-class Fp32GateParams(nn.Module):
-    """Holds `A_log` and `dt_bias` ([num_v_heads], fp32) and computes the decay gate.
-
-    Storage stays fp32 under `module.to(dtype)` / `.half()` / `.bfloat16()`: dtype casts
-    skip these two parameters (device moves apply as usual).
-    """
-
-    def __init__(self, A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
-        super().__init__()
-        for name, value in (("A_log", A_log), ("dt_bias", dt_bias)):
-            # The same Parameter objects move in (upcast in place if needed), so optimizers
-            # and Accelerate's parameter bookkeeping made before the surgery stay valid.
-            param = value if isinstance(value, nn.Parameter) else nn.Parameter(value.detach(), requires_grad=value.requires_grad)
-            if param.dtype != torch.float32:
-                param.data = param.data.to(torch.float32)
-            self.register_parameter(name, param)
-
-    def forward(self, a: torch.Tensor | GateInput) -> torch.Tensor:
-        """`a`: [batch, seq, num_v_heads], any float dtype (or wrapped in `GateInput`)
-        -> g: same shape, fp32.
-
-        Same expression as Transformers' GatedDeltaNet (bitwise equal for fp32 params).
-        """
-        if isinstance(a, GateInput):
-            a = a.a
-        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-        # Let `fn` move the parameters (device, meta, to_empty), then undo any dtype cast
-        # by recomputing from the fp32 original: no bf16 round trip ever touches them.
-        # `detach()` keeps the old storage alive: `_apply` may swap `param.data` in place.
-        originals = {name: p.detach() for name, p in self._parameters.items() if p is not None}
-        super()._apply(fn, recurse)
-        for name, before in originals.items():
-            after = self._parameters[name]
-            if after is not None and after.dtype != torch.float32 and before.dtype == torch.float32:
-                with torch.no_grad():
-                    after.data = before.to(device=after.device)
-        return self
-
-
-def transformers_name(name: str) -> str:
-    """A parameter's (or state-dict key's) name as the unmodified Transformers model has it:
-    `….linear_attn._fp32_params.A_log` -> `….linear_attn.A_log`; other names unchanged."""
-    return name.replace(f".{HOLDER_NAME}.", ".")
-
-
-def _gate_state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """`prefix._fp32_params.A_log` -> `prefix.A_log` (the Transformers key)."""
-    for name in GATE_PARAM_NAMES:
-        key = f"{prefix}{HOLDER_NAME}.{name}"
-        if key in state_dict:
-            state_dict[f"{prefix}{name}"] = state_dict.pop(key)
-
-
-def _gate_load_state_dict_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    """Accept the Transformers keys `prefix.A_log` / `prefix.dt_bias` when loading."""
-    for name in GATE_PARAM_NAMES:
-        key = f"{prefix}{name}"
-        if key in state_dict:
-            state_dict[f"{prefix}{HOLDER_NAME}.{name}"] = state_dict.pop(key)
 
 
 class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):

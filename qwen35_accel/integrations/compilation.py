@@ -1,0 +1,58 @@
+"""torch.compile for a dense Qwen3.5 model the plugin prepares under Accelerate's `dynamo_config`
+(or `TrainingArguments(torch_compile=True)`): per decoder layer instead of the whole model.
+
+Accelerate compiles the model before its FSDP2 preparation (whole, an `OptimizedModule`, or each
+repeated block in place with `use_regional_compilation`), so FSDP2's hooks would run inside the
+compiled code and break the graph at every unit. Without tp the preparation undoes that
+(`take_over_compile`) and compiles the regions between unit boundaries once the model is sharded
+(`compile_prepared`, `parallel.regional_compile`). Under tp Accelerate's whole-model compile stays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def take_over_compile(accelerator: Any, model: nn.Module) -> tuple[nn.Module, dict[str, Any] | None]:
+    """Where Accelerate's dynamo_config is set, it compiled `model` before this preparation: whole
+    (an `OptimizedModule`) or, with `use_regional_compilation`, each decoder layer in place, FSDP2's
+    hooks inside either way. Without tp the plugin compiles per layer instead
+    (`parallel.regional_compile`, after sharding): returns the uncompiled model (Accelerate's list of
+    prepared models updated to it) and the compile keyword arguments; otherwise (`model`, None)."""
+    from accelerate.utils import DynamoBackend
+
+    from ..parallel.mesh import mesh_dim_size
+
+    dynamo = getattr(accelerator.state, "dynamo_plugin", None)
+    mesh = getattr(accelerator, "torch_device_mesh", None)  # tp needs Accelerate's ParallelismConfig, hence its mesh
+    if dynamo is None or dynamo.backend == DynamoBackend.NO or (mesh is not None and mesh_dim_size(mesh, "tp") > 1):
+        return model, None
+    inner = model.__dict__.get("_modules", {}).get("_orig_mod")
+    if isinstance(inner, nn.Module) and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        models = accelerator._models  # Accelerate appended the compiled wrapper before calling this preparation
+        accelerator._models = [inner if m is model else m for m in models]
+        model = inner
+    from ..parallel.regional_compile import REGION_ATTR
+
+    for module in model.modules():  # use_regional_compilation: Accelerate's per-block compile, undone (not ours)
+        if module.__dict__.get("_compiled_call_impl") is not None and not module.__dict__.get(REGION_ATTR):
+            module._compiled_call_impl = None
+    return model, dynamo.to_kwargs()
+
+
+def compile_prepared(model: nn.Module, compile_kwargs: dict[str, Any] | None, *, context_parallel: bool) -> str:
+    """Compile the prepared `model`'s regions when `take_over_compile` returned keyword arguments;
+    returns what the prepared line says about compilation ("" when nothing is compiled)."""
+    if compile_kwargs is not None:
+        from ..model.detect import qwen35_parts
+        from ..parallel.regional_compile import compile_layer_regions
+
+        regions = compile_layer_regions(qwen35_parts(model), context_parallel=context_parallel, **compile_kwargs)
+        return (f", torch.compile (Accelerate's dynamo_config): per decoder layer, {regions}; eager: the FSDP2 units' "
+                "hooks, the gate holders, the loss head, CUDA kernels, packed rows' conv and rule, CP's collectives")
+    if hasattr(model, "_orig_mod"):  # under tp: Accelerate's dynamo_config compiled the whole model before this wrap
+        return ", torch.compile: the whole model (Accelerate's dynamo_config; each FSDP2 unit's hooks break the graph)"
+    return ""

@@ -89,13 +89,14 @@ class ShardedDocuments:
         return flat.long().cumsum(0).view(cuts.shape) - 1, cu
 
 
-    def precompute(self, conv_halo: int, conv_segments: bool) -> None:
+    def precompute(self, conv_halo: int, conv_segments: bool, sdpa: bool) -> None:
         """Make what the layers read, in the CP pre-hook (before the first layer), so that no
         layer's forward or backward waits on the host: the pieces and their groups (the gated
-        delta rule), the attention table, and the causal conv's windows (`conv_segments`: as
-        FLA's `cu_seqlens`, else as `seq_idx`) for a kernel of `conv_halo + 1` taps."""
+        delta rule), what attention reads (`sdpa`: the pieces' table, else each chunk's first
+        key), and the causal conv's windows (`conv_segments`: as FLA's `cu_seqlens`, else as
+        `seq_idx`) for a kernel of `conv_halo + 1` taps."""
         document_groups(self.pieces[1])
-        self.first_keys, self.attention_pieces  # noqa: B018 (cached properties: computed here)
+        self.attention_pieces if sdpa else self.first_keys  # noqa: B018 (cached properties: computed here)
         (self.conv_cu_seqlens if conv_segments else self.conv_seq_idx)(conv_halo)
 
     @functools.cached_property

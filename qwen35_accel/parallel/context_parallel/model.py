@@ -152,7 +152,8 @@ def _check_inputs(
         kwargs.pop(key, None)
     if documents is not None:
         device = (tokens if tokens is not None else position_ids).device
-        documents.precompute(module.config.linear_conv_kernel_dim - 1, select_conv_kernel(device) is fla_conv_kernel)
+        documents.precompute(module.config.linear_conv_kernel_dim - 1, select_conv_kernel(device) is fla_conv_kernel,
+                             sdpa=module.config._attn_implementation == "sdpa")
         kwargs[DOCUMENTS_KWARG] = documents
     # The layers take their masks from here, not from the text model: CP attention masks by
     # global position and document itself, and Transformers would otherwise build a

@@ -92,9 +92,9 @@ transformers.__version__, 'qwen35_accel', qwen35_accel.__file__)" 2>&1 | tee -a 
     # 2. The step, 2B-shaped at 8k and 32k: plan's predicted peak beside max_memory_allocated.
     timeout 240 python3 benchmarks/gpu_step.py --models 2B --seqs 8192 32768 --steps 3 --warmup 1 --budget 120 \
         --timeout 110 --results-dir "$OUT" > "$OUT/gpu_step.log" 2>&1 || echo "gpu_step (2B) exited $?"
-    # 3. The loss path in bf16: tiled (hold, recompute) vs Transformers' loss, time and memory, at
-    # the default tile (256 MiB of fp32 logits); the 1 GiB tile moved to run2 (each tile adds its
-    # weight gradient to an fp32 accumulator, V x H x 12 bytes of traffic per tile).
+    # 3. The loss path in bf16: tiled (recompute, hold) vs Transformers' loss, time and memory, at
+    # the default blocks (up to 4096 tokens x the rows whose fp32 logits fit 256 MiB; products in
+    # fp32 by torch.mm(out_dtype=float32), the CUDA-only branch of tiled_blocks._product).
     timeout 80 python3 benchmarks/loss_memory.py --device cuda --dtype bf16 --hidden 4096 --tokens 16384 \
         --steps 3 --results-dir "$OUT" > "$OUT/loss_memory.log" 2>&1 || echo "loss_memory exited $?"
     grep '^|' "$OUT/loss_memory.log" | head -16 || tail -c 2000 "$OUT/loss_memory.log"

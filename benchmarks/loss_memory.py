@@ -6,10 +6,10 @@
 The loss path is the lm_head and the cross entropy on given hidden states `[tokens, hidden]`
 (what the decoder hands over): forward + backward, in `--dtype` (fp32 by default; bf16 as
 under a bf16 policy: bf16 logits, Transformers' loss then upcasts them), every token labelled.
-- recompute, hold: `parallel.tiled_head.linear_cross_entropy_sum` in that mode (tiles of
-  `token_tile_size(vocab)` tokens; recompute: one log-sum-exp per token kept, each tile
-  recomputed in backward; hold: gradients computed in forward and held) and the loss
-  reduction `PARALLELIZER.apply` installs;
+- recompute, hold: `parallel.tiled_head.linear_cross_entropy_sum` in that mode (blocks of
+  `tiled_blocks.block_shape(tokens, vocab)` tokens × vocab rows; recompute: one log-sum-exp
+  per token kept, each block recomputed in backward; hold: gradients computed in forward and
+  held) and the loss reduction `PARALLELIZER.apply` installs;
 - Transformers: `lm_head(hidden)` then Transformers' `ForCausalLMLoss` (our `CausalLMLoss`
   over the cp group under cp 2, as the parallelizer installs it).
 Under cp 2 each of 2 gloo ranks holds half the tokens (figures per rank, rank 0).
@@ -20,7 +20,7 @@ on `--device cuda` `torch.cuda.max_memory_allocated`), with the inputs' gradient
 every variant's end) and the peak beyond them shown apart; then the step time, the three variants
 alternating in one world (median of paired ratios; CUDA synchronised). `--device cuda` runs
 cp 1 only (one GPU). Writes `benchmarks/results/loss_memory.md` (fp32 on CPU) or
-`loss_memory_<device>_<dtype>.md`; `--tile-bytes N` (another tile size) adds `_tile<MiB>MiB`.
+`loss_memory_<device>_<dtype>.md`; `--tile-bytes N` (another block size) adds `_tile<MiB>MiB`.
 """
 
 from __future__ import annotations
@@ -59,16 +59,17 @@ def _sync(device: str) -> None:
 
 
 def _loss(variant: str, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, world: int,
-          tile: int | None = None) -> torch.Tensor:
+          tile_bytes: int | None = None) -> torch.Tensor:
     import torch.distributed as dist
     import torch.nn.functional as F
 
     from qwen35_accel.parallel.losses import CausalLMLoss, reduce_token_loss
-    from qwen35_accel.parallel.tiled_head import linear_cross_entropy_sum
+    from qwen35_accel.parallel.tiled_head import TILE_BYTES, block_shape, linear_cross_entropy_sum
 
     group = dist.group.WORLD if world > 1 else None
     if variant in TILED:
-        local_sum = linear_cross_entropy_sum(x, weight, None, labels, mode=variant, tile=tile)
+        tile, vocab_tile = block_shape(x.shape[0], weight.shape[0], tile_bytes or TILE_BYTES)
+        local_sum = linear_cross_entropy_sum(x, weight, None, labels, mode=variant, tile=tile, vocab_tile=vocab_tile)
         return reduce_token_loss(local_sum, torch.tensor(labels.numel()), None, group)
     logits = F.linear(x, weight)[None]
     if group is not None:
@@ -79,14 +80,14 @@ def _loss(variant: str, x: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
 
 
 def _memory_worker(rank: int, world: int, variant: str, tokens: int, hidden: int, vocab: int, path: str,
-                   device: str = "cpu", dtype: str = "fp32", tile: int | None = None) -> None:
+                   device: str = "cpu", dtype: str = "fp32", tile_bytes: int | None = None) -> None:
     from qwen35_accel.testing.saved_tensors import peak_bytes_above, saved_storage_bytes
 
     x, weight, labels = _setup(rank, world, tokens, hidden, vocab, device, dtype)
     x.requires_grad_()
 
     def step() -> tuple[torch.Tensor, int]:
-        loss, saved = saved_storage_bytes(lambda: _loss(variant, x, weight, labels, world, tile), exclude=[weight])
+        loss, saved = saved_storage_bytes(lambda: _loss(variant, x, weight, labels, world, tile_bytes), exclude=[weight])
         loss.backward()
         _sync(device)
         return loss, saved
@@ -105,7 +106,7 @@ def _memory_worker(rank: int, world: int, variant: str, tokens: int, hidden: int
 
 
 def _time_worker(rank: int, world: int, tokens: int, hidden: int, vocab: int, steps: int, path: str,
-                 device: str = "cpu", dtype: str = "fp32", tile: int | None = None) -> None:
+                 device: str = "cpu", dtype: str = "fp32", tile_bytes: int | None = None) -> None:
     import torch.distributed as dist
 
     x, weight, labels = _setup(rank, world, tokens, hidden, vocab, device, dtype)
@@ -116,7 +117,7 @@ def _time_worker(rank: int, world: int, tokens: int, hidden: int, vocab: int, st
                 dist.barrier()
             _sync(device)
             started = time.perf_counter()
-            _loss(variant, x.clone().requires_grad_(), weight, labels, world, tile).backward()
+            _loss(variant, x.clone().requires_grad_(), weight, labels, world, tile_bytes).backward()
             _sync(device)
             weight.grad = None
             if step:  # the first is a warm-up
@@ -136,7 +137,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--tile-bytes", type=int, default=None,
-                        help="fp32 bytes of one tile's logits (default: the library's, tiled_head.TILE_BYTES)")
+                        help="fp32 bytes of one block's logits (default: the library's, tiled_head.TILE_BYTES)")
     _report.add_arguments(parser)
     args = parser.parse_args()
     if args.smoke:
@@ -146,11 +147,11 @@ def main() -> None:
             raise SystemExit("loss_memory.py --device cuda: no CUDA device here")
         args.cp = [1]  # one GPU
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from qwen35_accel.parallel.tiled_head import TILE_BYTES, token_tile_size
+    from qwen35_accel.parallel.tiled_head import TILE_BYTES, block_shape
     from qwen35_accel.testing.local_world import run_local_world
 
     threads = max(1, (os.cpu_count() or 1) // max(args.cp))
-    tile = token_tile_size(args.vocab, args.tile_bytes or TILE_BYTES)
+    tile_bytes = args.tile_bytes or TILE_BYTES
     run = _report.Run()
     rows, steps_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,14 +162,15 @@ def main() -> None:
                     for variant in VARIANTS:
                         path = os.path.join(tmp, f"{variant}.json")
                         run_local_world(_memory_worker, cp, variant, tokens, hidden, args.vocab, path, args.device, args.dtype,
-                                        tile, threads_per_rank=threads)
+                                        tile_bytes, threads_per_rank=threads)
                         with open(path) as f:
                             found[variant] = json.load(f)
                     path = os.path.join(tmp, "times.json")
                     run_local_world(_time_worker, cp, tokens, hidden, args.vocab, args.steps, path, args.device, args.dtype,
-                                    tile, threads_per_rank=threads)
+                                    tile_bytes, threads_per_rank=threads)
                     with open(path) as f:
                         times = json.load(f)
+                    blocks = "×".join(map(str, block_shape(tokens // cp, args.vocab, tile_bytes)))
                     r = found["transformers"]
                     r_beyond = r["peak"] - r["grads"]
                     for v in ("transformers", *TILED):
@@ -182,22 +184,22 @@ def main() -> None:
                             f"{statistics.median(times[v]) * 1e3:.0f}", ratio,
                             "" if v == "transformers" else f"{abs(f['loss'] - r['loss']) / abs(r['loss']):.1e}",
                         ]
-                        rows.append(f"| {hidden} | {tokens} | {cp} | " + " | ".join(cells) + " |")
+                        rows.append(f"| {hidden} | {tokens} | {cp} | {blocks} | " + " | ".join(cells) + " |")
                         print(rows[-1], flush=True)
                     steps_rows.append(f"| {hidden}, {tokens}, cp {cp} | " + " | ".join(
                         ", ".join(f"{t * 1e3:.0f}" for t in times[v]) for v in ("transformers", *TILED)) + " |")
     peak_kind = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "every tensor's bytes, MemTracker"
     table = "\n".join([
-        f"Loss path (lm_head + cross entropy, forward + backward, {args.dtype}, {args.device}) at vocab {args.vocab}; tiles of "
-        f"{tile} tokens ({tile * args.vocab * 4 / 2**20:.0f} MiB of fp32 logits); per rank (rank 0); {args.steps} timed steps per variant, alternating; "
+        f"Loss path (lm_head + cross entropy, forward + backward, {args.dtype}, {args.device}) at vocab {args.vocab}; blocks of "
+        f"tokens × vocab rows (at most {tile_bytes / 2**20:.0f} MiB of fp32 logits); per rank (rank 0); {args.steps} timed steps per variant, alternating; "
         f"{threads} threads per rank. Saved for backward: saved-tensor hooks, the weight excluded. Peak: above the "
         f"set-up ({peak_kind}); the inputs' gradients (hidden states and weight) are what every variant hands back and "
         "are alive at its end; beyond them: the loss path's own working memory. × less: Transformers' figure over the "
         "variant's.\n",
-        "| hidden | tokens | cp | variant | saved for backward (MiB) | × less saved | peak (MiB) | of it, the inputs' "
+        "| hidden | tokens | cp | block | variant | saved for backward (MiB) | × less saved | peak (MiB) | of it, the inputs' "
         "gradients (MiB) | peak beyond the gradients (MiB) | × less beyond | step (ms, median) | time vs Transformers "
         "(median of pairs) | loss relative difference |",
-        "|" + "---|" * 13,
+        "|" + "---|" * 14,
         *rows,
         "\nEvery timed step (ms), in order; in step s the variants ran in the order recompute, hold, "
         "Transformers rotated by s (each first in turn):\n",

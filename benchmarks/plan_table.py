@@ -64,8 +64,8 @@ def main() -> None:
     ]
     details = []
     for name, shape in _shapes(args.smoke).items():
-        for tiled, offload, label in (("hold", False, "tiled, hold (default)"), ("recompute", False, "tiled, recompute"),
-                                      ("off", False, "Transformers'"), ("hold", True, "tiled, hold, activation offload")):
+        for tiled, offload, label in (("recompute", False, "tiled, recompute (default)"), ("hold", False, "tiled, hold"),
+                                      ("off", False, "Transformers'"), ("recompute", True, "tiled, recompute, activation offload")):
             options = StepOptions(seq_len=STEP, activation_checkpointing=True, tiled_loss=tiled, activation_offload=offload)
             longest = {}
             for cp in cps:

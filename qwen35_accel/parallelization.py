@@ -89,7 +89,7 @@ class Qwen3_5ModelParallelizer:
         fp32_holder_units: Fp32HolderUnits = "per_layer",
         vocab_parallel_lm_head: bool = False,
         cp_state_exchange: str = "auto",
-        tiled_loss: bool | str = "hold",
+        tiled_loss: bool | str = "recompute",
     ) -> nn.Module:
         """Parallelize `model` over `device_mesh` and return it (the same object).
 
@@ -112,12 +112,12 @@ class Qwen3_5ModelParallelizer:
         `frozen_multimodal_sharding="shard"`) run the tower on a zero placeholder image in
         forwards without images or videos, its output added times zero, so ranks with and
         without images issue the same collectives (`install_vision_placeholder`).
-        `tiled_loss` "hold" (or True) or "recompute" (`Qwen3_5ForCausalLM` and the VLM): training
-        forwards with labels compute the lm_head and the loss in tiles of tokens and return
-        `logits=None` (`install_tiled_loss`; "hold" holds the gradients, a weight-sized one
-        among them, from forward; "recompute" keeps the hidden states and recomputes the
-        tiles in backward); other forwards keep Transformers' logits. "off" (or False):
-        Transformers' loss.
+        `tiled_loss` "recompute" (or True) or "hold" (`Qwen3_5ForCausalLM` and the VLM): training
+        forwards with labels compute the lm_head and the loss in blocks of tokens and vocab
+        rows and return `logits=None` (`install_tiled_loss`; "recompute" keeps the hidden
+        states and recomputes the blocks in backward; "hold" holds the gradients, a
+        weight-sized one among them, from forward); other forwards keep Transformers' logits.
+        "off" (or False): Transformers' loss.
 
         Preconditions: `torch.distributed` is initialised; `model` is a dense Qwen3.5
         model (TypeError otherwise), possibly inside a PEFT LoRA wrapper, not yet sharded; `device_mesh` has a dim (own or

@@ -41,11 +41,11 @@ def test_tiled_loss_setting_takes_its_modes_and_its_former_boolean_spellings():
 
     from qwen35_accel.parallel.tiled_head import DEFAULT_LOSS_MODE
 
-    assert PluginSettings().tiled_loss == DEFAULT_LOSS_MODE == "hold"
-    spellings = {"1": "hold", "true": "hold", "0": "off", "False": "off", "off": "off", "Recompute": "recompute"}
+    assert PluginSettings().tiled_loss == DEFAULT_LOSS_MODE == "recompute"
+    spellings = {"1": "recompute", "true": "recompute", "0": "off", "False": "off", "off": "off", "Hold": "hold"}
     for raw, mode in spellings.items():
         assert PluginSettings.from_env({"QWEN35_ACCEL_TILED_LOSS": raw}).tiled_loss == mode, raw
-    with pytest.raises(ValueError, match=r"QWEN35_ACCEL_TILED_LOSS='keep': expected one of \['off', 'hold', 'recompute'\]"):
+    with pytest.raises(ValueError, match=r"QWEN35_ACCEL_TILED_LOSS='keep': expected one of \['off', 'recompute', 'hold'\]"):
         PluginSettings.from_env({"QWEN35_ACCEL_TILED_LOSS": "keep"})
 
 

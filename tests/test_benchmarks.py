@@ -245,7 +245,7 @@ def test_gpu_step_smoke_runs_the_three_configurations_on_the_same_model():
 
 def test_loss_memory_smoke_reports_both_losses_equal():
     out = _smoke("loss_memory.py")
-    rows = {line for line in out.splitlines() if re.match(r"^\| 64 \| 256 \| [12] \| (hold|recompute) \|", line)}
+    rows = {line for line in out.splitlines() if re.match(r"^\| 64 \| 256 \| [12] \| \d+×\d+ \| (hold|recompute) \|", line)}
     assert len(rows) == 4, out  # both modes at cp 1 and cp 2 (each printed as measured, then in the table)
     for row in rows:  # the tiled loss equals Transformers' (fp32: the same sums in tiles)
         assert float(row.strip("| ").split(" | ")[-1]) < 1e-5, row

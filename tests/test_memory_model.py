@@ -30,7 +30,7 @@ from qwen35_accel.memory import (
     StepOptions,
     describe,
     estimate,
-    loss_tile_tokens,
+    loss_block,
     memory_report,
     parse_bytes,
     suggest_cp,
@@ -227,7 +227,7 @@ def test_a_gated_delta_net_layer_keeps_what_torch_kernels_are_predicted_to_keep(
             assert abs(want / got - 1) <= ACTIVATION_TOLERANCE, (k_heads, seq, dtype, want, got)
 
 
-def _measured_loss_peak(mode: str, dtype: torch.dtype, tokens: int, hidden: int, vocab: int, tile: int) -> int:
+def _measured_loss_peak(mode: str, dtype: torch.dtype, tokens: int, hidden: int, vocab: int, block: tuple[int, int]) -> int:
     """Peak bytes of one lm_head + cross entropy step (forward, backward) above what existed
     before it: every tensor's storage from allocation to release (torch's MemTracker). The
     hidden states are made inside, as the decoder's output would be."""
@@ -246,7 +246,7 @@ def _measured_loss_peak(mode: str, dtype: torch.dtype, tokens: int, hidden: int,
         if mode == "off":  # Transformers' loss: whole logits, upcast
             loss = F.cross_entropy(F.linear(hidden_states, weight).float(), targets, reduction="sum")
         else:
-            loss = linear_cross_entropy_sum(hidden_states, weight, None, targets, tile=tile, mode=mode)
+            loss = linear_cross_entropy_sum(hidden_states, weight, None, targets, tile=block[0], vocab_tile=block[1], mode=mode)
         del hidden_states
         (0.5 * loss).backward()
 
@@ -258,17 +258,18 @@ def _measured_loss_peak(mode: str, dtype: torch.dtype, tokens: int, hidden: int,
 def test_predicted_loss_peak_matches_measured_within_10_percent(mode, dtype):
     """`loss_saved + loss_transient` (what the loss keeps plus its working bytes and the
     gradients it hands back) against the measured peak of the loss path, in fp32 and bf16:
-    8 tiles of 64 tokens at vocab 8192 (the tile's logits as large as the weight's gradient,
-    so both terms are tested)."""
+    blocks of 512 tokens × 1024 vocab rows at vocab 8192 (a block's fp32 logits as large as
+    the weight's fp32 gradient, so both terms are tested)."""
     from qwen35_accel.memory import loss_saved, loss_transient
     from qwen35_accel.testing.tiny import tiny_text_config
 
-    tokens, hidden, vocab, tile = 512, 64, 8192, 64
+    tokens, hidden, vocab = 512, 64, 8192
     shape = ModelShape.from_config(tiny_text_config(**{**SHAPE, "hidden_size": hidden, "vocab_size": vocab}))
     options = StepOptions(seq_len=tokens, compute_bytes=dtype.itemsize, param_bytes=dtype.itemsize, device="cpu",
-                          tiled_loss=mode, loss_tile_bytes=tile * vocab * 4)
+                          tiled_loss=mode, loss_tile_bytes=tokens * 1024 * 4)
+    assert loss_block(tokens, vocab, options.loss_tile_bytes) == (tokens, 1024)
     predicted = loss_saved(shape, Parallel(), options) + loss_transient(shape, Parallel(), options)
-    measured = _measured_loss_peak(mode, dtype, tokens, hidden, vocab, tile)
+    measured = _measured_loss_peak(mode, dtype, tokens, hidden, vocab, (tokens, 1024))
     assert abs(predicted / measured - 1) <= TOLERANCE, f"{mode} {dtype}: predicted {predicted}, measured {measured}"
 
 
@@ -289,11 +290,11 @@ def test_memory_sizes_parse_with_units_and_bad_ones_say_what_to_pass():
         StepOptions(seq_len=8, optimizer="adam")
 
 
-def test_loss_tiles_hold_at_most_256_MiB_of_fp32_logits_in_multiples_of_8_tokens():
-    tokens = loss_tile_tokens(248320)
-    assert tokens % 8 == 0 and tokens * 248320 * 4 <= 2**28 < (tokens + 8) * 248320 * 4
-    assert loss_tile_tokens(1000) == 67104  # 2**28 / 4000 = 67108.9, down to a multiple of 8
-    assert loss_tile_tokens(10**9) == 8  # a vocabulary wider than a tile: the tiled loss still takes 8 tokens
+def test_loss_blocks_hold_at_most_256_MiB_of_fp32_logits_and_up_to_4096_tokens():
+    assert loss_block(32768, 248320) == (4096, 16384)  # 2**28 / (4 · 4096) rows, a multiple of 8
+    assert loss_block(264, 248320) == (264, 248320)  # the whole vocab fits beside 264 tokens
+    assert loss_block(100, 1000) == (100, 1000)  # never more tokens than the step has
+    assert loss_block(10**6, 10**9) == (4096, 16384)
 
 
 def test_suggested_cp_is_the_smallest_that_fits():

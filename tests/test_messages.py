@@ -174,7 +174,7 @@ def _different_settings_worker(rank: int, world: int) -> None:
         os.environ["QWEN35_ACCEL_TILED_LOSS"] = "off"
     accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
     with pytest.raises(ValueError, match=r"the ranks read different qwen35_accel settings: "
-                                         r"\{'QWEN35_ACCEL_TILED_LOSS': \{0: 'hold', 1: 'off'\}\}"):
+                                         r"\{'QWEN35_ACCEL_TILED_LOSS': \{0: 'recompute', 1: 'off'\}\}"):
         accelerator.prepare(build_tiny_causal_lm(seed=0))
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from qwen35_accel.parallel.tiled_head import LOSS_MODES, OPTIONAL_STATS, linear_cross_entropy_sum, linear_token_stats, token_tile_size
+from qwen35_accel.parallel.tiled_head import LOSS_MODES, OPTIONAL_STATS, block_shape, linear_cross_entropy_sum, linear_token_stats
 from _dist import run_world
 
 N, H, V = 37, 16, 48  # 37 tokens: tiles of 8 leave a remainder
@@ -53,17 +54,21 @@ def _expected(temperature: float):
     return {k: v.detach() for k, v in ref.items()}, [t.grad for t in leaves]
 
 
-# fp32 rtol 1e-5: tiles and vocab slices sum the same terms in another order.
+# fp32 rtol 1e-5: blocks and vocab slices sum the same terms in another order.
 RTOL, ATOL = 1e-5, 1e-6
+# (tokens, vocab rows) per block: one block; token blocks with a remainder; token and vocab
+# blocks, both with a remainder (48 rows: 20, 20, 8).
+BLOCKS = [(64, None), (8, None), (8, 20)]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("tile", [8, 64])
-def test_tiled_stats_and_gradients_equal_whole_logits(tile, temperature):
+@pytest.mark.parametrize("tile, vocab_tile", BLOCKS)
+def test_tiled_stats_and_gradients_equal_whole_logits(tile, vocab_tile, temperature):
     want, want_grads = _expected(temperature)
     hidden, weight, bias, targets = _problem()
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-    stats = linear_token_stats(*leaves, targets, temperature=temperature, outputs=OPTIONAL_STATS, tile=tile)._asdict()
+    stats = linear_token_stats(*leaves, targets, temperature=temperature, outputs=OPTIONAL_STATS, tile=tile,
+                               vocab_tile=vocab_tile)._asdict()
     for name, value in want.items():
         if name == "is_top1":
             assert torch.equal(stats[name], value) and value[:4].any() and not value.all()
@@ -83,12 +88,12 @@ def _cross_entropy_reference():
 
 
 @pytest.mark.parametrize("mode", LOSS_MODES)
-@pytest.mark.parametrize("tile", [8, 64])
-def test_cross_entropy_sum_and_its_gradients_equal_whole_logits(tile, mode):
+@pytest.mark.parametrize("tile, vocab_tile", BLOCKS)
+def test_cross_entropy_sum_and_its_gradients_equal_whole_logits(tile, vocab_tile, mode):
     want, want_grads = _cross_entropy_reference()
     hidden, weight, bias, targets = _problem()
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-    loss = linear_cross_entropy_sum(*leaves, targets, tile=tile, mode=mode)
+    loss = linear_cross_entropy_sum(*leaves, targets, tile=tile, vocab_tile=vocab_tile, mode=mode)
     torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
     (0.37 * loss).backward()
     for leaf, grad, name in zip(leaves, want_grads, ("hidden", "weight", "bias")):
@@ -106,10 +111,12 @@ def test_only_requested_outputs_are_computed_and_backward_needs_no_entropy():
         linear_token_stats(hidden, weight, bias, targets, outputs=("logits",))
 
 
-def test_tile_size_bounds_one_tiles_fp32_logits():
-    assert token_tile_size(248_320) == 264  # 2**28 bytes / (4 * 248,320) = 270, multiple of 8
-    assert token_tile_size(248_320 // 8) * 4 * (248_320 // 8) <= 2**28
-    assert token_tile_size(10**9) == 8
+def test_a_block_holds_at_most_256_MiB_of_fp32_logits_and_up_to_4096_tokens():
+    assert block_shape(264, 248_320) == (264, 248_320)  # 264 tokens fit the whole vocab in 2**28 bytes
+    assert block_shape(32_768, 248_320) == (4096, 16_384)  # 2**28 / (4 * 4096) rows
+    assert block_shape(37, 48) == (40, 48)  # a multiple of 8 tokens
+    assert block_shape(8, 10**9) == (8, 8388608) and block_shape(10**6, 10**9)[1] == 16_384
+    assert block_shape(100, 48, tile=8, vocab_tile=100) == (8, 48)
 
 
 def _vocab_parallel_worker(rank: int, world: int, temperature: float) -> None:
@@ -119,7 +126,7 @@ def _vocab_parallel_worker(rank: int, world: int, temperature: float) -> None:
     rows = slice(rank * V // world, (rank + 1) * V // world)
     leaves = [hidden.clone().requires_grad_(), weight[rows].clone().requires_grad_(), bias[rows].clone().requires_grad_()]
     stats = linear_token_stats(
-        *leaves, targets, group=dist.group.WORLD, temperature=temperature, outputs=OPTIONAL_STATS, tile=8
+        *leaves, targets, group=dist.group.WORLD, temperature=temperature, outputs=OPTIONAL_STATS, tile=8, vocab_tile=10
     )._asdict()
     for name, value in want.items():
         if name == "is_top1":
@@ -134,7 +141,7 @@ def _vocab_parallel_worker(rank: int, world: int, temperature: float) -> None:
     want, want_grads = _cross_entropy_reference()
     for mode in LOSS_MODES:
         leaves = [hidden.clone().requires_grad_(), weight[rows].clone().requires_grad_(), bias[rows].clone().requires_grad_()]
-        loss = linear_cross_entropy_sum(*leaves, targets, group=dist.group.WORLD, tile=8, mode=mode)
+        loss = linear_cross_entropy_sum(*leaves, targets, group=dist.group.WORLD, tile=8, vocab_tile=10, mode=mode)
         torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
         (0.37 * loss).backward()
         for leaf, grad, name in zip(leaves, (want_grads[0], want_grads[1][rows], want_grads[2][rows]), ("hidden", "weight", "bias")):
@@ -177,16 +184,13 @@ def _bf16_errors(fn, hidden, weight, targets, reference) -> list[float]:
 
 
 @pytest.mark.parametrize("mode", LOSS_MODES)
-@pytest.mark.parametrize("slice_bytes", [2**26, 1000])
-def test_bf16_gradients_are_as_close_to_fp64_as_transformers_bf16_loss(mode, slice_bytes, monkeypatch):
-    """Under a bf16 compute dtype the tiled GEMMs run in bf16 (fp32 accumulation inside each,
-    the weight's gradient summed over 64 tiles in fp32): the gradients' error against fp64 is
-    within 1.5× that of Transformers' bf16 path (whole bf16 logits upcast). Summing the tiles
-    in bf16 instead triples the weight's error. `slice_bytes` small: the weight's gradient is
-    added in many row slices."""
-    import qwen35_accel.parallel.tiled_head as tiled_head
-
-    monkeypatch.setattr(tiled_head, "WEIGHT_GRAD_SLICE_BYTES", slice_bytes)
+@pytest.mark.parametrize("tile, vocab_tile", [(8, None), (64, 128)])
+def test_bf16_gradients_are_as_close_to_fp64_as_transformers_bf16_loss(mode, tile, vocab_tile):
+    """Under a bf16 compute dtype the blocks' GEMMs run in bf16 (fp32 accumulation inside
+    each; on CPU each product rounded to bf16 once, the sums over token blocks (the weight's)
+    and vocab blocks (the hidden states') in fp32): the gradients' error against fp64 is
+    within 1.5× that of Transformers' bf16 path (whole bf16 logits upcast). Summing the blocks
+    in bf16 instead triples the weight's error."""
     g = torch.Generator().manual_seed(0)
     n, h, v = 512, 64, 1000
     hidden, weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) / h**0.5
@@ -196,7 +200,7 @@ def test_bf16_gradients_are_as_close_to_fp64_as_transformers_bf16_loss(mode, sli
     reference = [leaf.grad for leaf in leaves]
     stock = _bf16_errors(lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t, reduction="sum"),
                          hidden, weight, targets, reference)
-    tiled = _bf16_errors(lambda x, w, t: linear_cross_entropy_sum(x, w, None, t, tile=8, mode=mode),
+    tiled = _bf16_errors(lambda x, w, t: linear_cross_entropy_sum(x, w, None, t, tile=tile, vocab_tile=vocab_tile, mode=mode),
                          hidden, weight, targets, reference)
     for name, ours, theirs in zip(("hidden", "weight"), tiled, stock):
         assert ours <= 1.5 * theirs, f"{mode}: bf16 grad of {name} is {ours:.2e} from fp64; Transformers' bf16 loss {theirs:.2e}"
@@ -211,3 +215,79 @@ def test_hold_scales_its_gradients_in_place_so_a_second_backward_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+class _Made(TorchDispatchMode):
+    """Every tensor an op makes (not a view or an in-place result): (op, numel, dtype); and
+    the collectives called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[tuple[str, int, torch.dtype]] = []
+        self.collectives: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        given = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name
+        if name.startswith("c10d::"):
+            self.collectives.append(name)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.outputs.append((name, t.numel(), t.dtype))
+        return out
+
+
+# (hidden dtype, weight dtype, autocast dtype): a bf16 policy; TRL's `cast_lm_head_to_fp32`
+# (fp32 hidden states, the bf16 weight, autocast off); fp32 masters under bf16 autocast.
+DTYPES = [(torch.bfloat16, torch.bfloat16, None), (torch.float32, torch.bfloat16, None), (torch.float32, torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("head", ["recompute", "hold", "token_stats"])
+@pytest.mark.parametrize("hidden_dtype, weight_dtype, autocast", DTYPES)
+def test_nothing_of_the_weights_size_is_made_but_its_gradient(head, hidden_dtype, weight_dtype, autocast):
+    """The lm_head weight is neither copied whole into the compute dtype (forward and again in
+    backward, as `cast_lm_head_to_fp32` did: 5 GB at 27B) nor accumulated in a weight-sized
+    fp32 tensor beside its gradient (5.09 + 2.54 GB alive together): in blocks of vocab rows.
+    The one weight-sized tensor made is its gradient, in the weight's dtype."""
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 48, 64, 4096  # fewer tokens than hidden: a block's logits are smaller than the weight
+    hidden = torch.randn(n, h, generator=g).to(hidden_dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / h**0.5).to(weight_dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    with _Made() as made, torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        if head == "token_stats":
+            loss = -linear_token_stats(hidden, weight, None, targets, outputs=("entropy",), vocab_tile=1024).log_probs.sum()
+        else:
+            loss = linear_cross_entropy_sum(hidden, weight, None, targets, vocab_tile=1024, mode=head)
+        loss.backward()
+    weight_sized = [(op, dtype) for op, numel, dtype in made.outputs if numel >= weight.numel()]
+    assert weight_sized == [("aten::empty_like", weight_dtype)], weight_sized
+    assert weight.grad.dtype == weight_dtype and torch.isfinite(weight.grad.float()).all()
+
+
+def _collectives_worker(rank: int, world: int) -> None:
+    """One all-gather per call in forward whatever the number of blocks (before: a max and a
+    sum all-reduce per tile, about 1k latency-bound calls at 128k tokens under tp), one
+    all-reduce of the hidden states' gradient where the gradients are computed."""
+    hidden, weight, bias, targets = _problem()
+    rows = slice(rank * V // world, (rank + 1) * V // world)
+    for head in ("recompute", "hold", "token_stats"):
+        leaves = [hidden.clone().requires_grad_(), weight[rows].clone().requires_grad_(), bias[rows].clone().requires_grad_()]
+        with _Made() as forward:  # 5 token blocks × 3 vocab blocks
+            if head == "token_stats":
+                out = -linear_token_stats(*leaves, targets, group=dist.group.WORLD, outputs=OPTIONAL_STATS, tile=8,
+                                          vocab_tile=10).log_probs.sum()
+            else:
+                out = linear_cross_entropy_sum(*leaves, targets, group=dist.group.WORLD, tile=8, vocab_tile=10, mode=head)
+        with _Made() as backward:
+            out.backward()
+        gradients_in_forward = head == "hold"
+        assert len(forward.collectives) == 1 + gradients_in_forward, (head, forward.collectives)
+        assert len(backward.collectives) == (not gradients_in_forward), (head, backward.collectives)
+
+
+@pytest.mark.multiprocess
+def test_vocab_parallel_heads_make_one_collective_per_call_and_pass():
+    run_world(_collectives_worker, 2)

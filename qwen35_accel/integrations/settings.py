@@ -48,13 +48,12 @@ class PluginSettings:
         "rank's vocab slice of the logits; needs untied embeddings)",
     )
     tiled_loss: str = _knob(
-        "hold",
-        "training forwards with labels compute the lm_head and the loss in tiles of tokens, never holding "
-        "[tokens, vocab] (the returned logits are then None): hold (or 1) computes the gradients in forward and "
-        "holds them until backward, one of the lm_head weight's size (the gradient every path makes first in "
-        "backward: a step's peak is the same); recompute keeps the hidden states and one number per token and "
-        "recomputes the tiles in backward (one GEMM more per tile; nothing weight-sized between forward and "
-        "backward); off (or 0): Transformers' loss from the whole logits",
+        "recompute",
+        "training forwards with labels compute the lm_head and the loss in blocks of tokens and vocab rows, never "
+        "holding [tokens, vocab] (the returned logits are then None): recompute (or 1) keeps the hidden states and "
+        "one number per token and recomputes the blocks' logits in backward; hold computes the gradients in "
+        "forward (the same GEMMs) and holds them until backward, one of the lm_head weight's size; off (or 0): "
+        "Transformers' loss from the whole logits",
     )
     cp_state_exchange: str = _knob(
         "auto",
@@ -183,12 +182,12 @@ _CHOICES = {
     "frozen_multimodal_sharding": ("root", "replicate", "shard"),
     "fp32_holder_units": ("per_layer", "model"),
     "cp_state_exchange": ("auto", "allgather", "scan"),
-    "tiled_loss": ("off", "hold", "recompute"),
+    "tiled_loss": ("off", "recompute", "hold"),
     "rl_generation": ("replicated", "split"),
     "distributed_config": ("plugin", "check", "stock"),
 }
 # Choice knobs that were booleans: their boolean spellings still work (true: the first choice after "off").
-_FORMERLY_BOOLEAN = {"tiled_loss": {True: "hold", False: "off"}}
+_FORMERLY_BOOLEAN = {"tiled_loss": {True: "recompute", False: "off"}}
 
 
 def _parse(env_name: str, field: dataclasses.Field, raw: str) -> object:

@@ -44,7 +44,7 @@ Modules: `shapes` (what it reads and answers), `layers` (the decoder's activatio
 from __future__ import annotations
 
 from .layers import activations, fla_gated_delta_rule, layer_activations, torch_gated_delta_rule
-from .loss import loss_saved, loss_tile_tokens, loss_transient
+from .loss import loss_block, loss_saved, loss_transient
 from .offload import HOST_MEMORY_SHARE, host_per_node, layer_forward_flops, offload_timing
 from .report import describe, describe_vision, longest_seq_len, memory_report, parse_bytes, suggest_cp
 from .shapes import CHUNK, DEFAULT_LOSS_TILE_BYTES, OPTIMIZERS, Device, MemoryEstimate, ModelShape, Parallel, StepOptions
@@ -54,7 +54,7 @@ from .vision import VISION_FROZEN_SHARDINGS, VisionShape, VisionTower, vision_ac
 __all__ = [
     "CHUNK", "DEFAULT_LOSS_TILE_BYTES", "HOST_MEMORY_SHARE", "OPTIMIZERS", "VISION_FROZEN_SHARDINGS", "Device", "MemoryEstimate", "ModelShape",
     "Parallel", "StepOptions", "VisionShape", "VisionTower", "activations", "describe", "describe_vision", "estimate",
-    "fla_gated_delta_rule", "host_per_node", "layer_activations", "layer_forward_flops", "longest_seq_len", "loss_saved", "loss_tile_tokens", "loss_transient",
+    "fla_gated_delta_rule", "host_per_node", "layer_activations", "layer_forward_flops", "longest_seq_len", "loss_block", "loss_saved", "loss_transient",
     "memory_report", "offload_timing", "parse_bytes", "step_estimate", "suggest_cp", "torch_gated_delta_rule", "vision_activations",
     "vision_estimate",
 ]

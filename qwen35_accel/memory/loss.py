@@ -6,12 +6,13 @@ from __future__ import annotations
 from .shapes import DEFAULT_LOSS_TILE_BYTES, ModelShape, Parallel, StepOptions
 
 
-def loss_tile_tokens(vocab_local: int, tile_bytes: int = DEFAULT_LOSS_TILE_BYTES) -> int:
-    """Tokens per loss tile, as the tiled loss takes them (`parallel.tiled_head.token_tile_size`)."""
-    from ..parallel.tiled_head import token_tile_size
+def loss_block(tokens: int, vocab_local: int, tile_bytes: int = DEFAULT_LOSS_TILE_BYTES) -> tuple[int, int]:
+    """(tokens, vocab rows) per block of the tiled loss, as it takes them
+    (`parallel.tiled_blocks.block_shape`), the tokens at most `tokens`."""
+    from ..parallel.tiled_blocks import block_shape
 
-    return token_tile_size(vocab_local, tile_bytes)
-
+    token_rows, vocab_rows = block_shape(tokens, vocab_local, tile_bytes)
+    return min(token_rows, tokens), vocab_rows
 
 
 def _vocab_local(shape: ModelShape, parallel: Parallel) -> int:
@@ -42,13 +43,16 @@ def loss_transient(shape: ModelShape, parallel: Parallel, options: StepOptions) 
     """Bytes the lm_head and the cross entropy use on a rank beyond `loss_saved` at their
     peak, the gradients they hand back included (FSDP2's copies of the tail's gradient not).
 
-    Tiled, at the end of the last tile (forward with "hold", backward with "recompute"): the
-    fp32 accumulators of the gradients of the hidden states and of this rank's lm_head rows,
-    one tile's fp32 logits, and under a 16-bit compute dtype the tile's copy in it (the GEMMs'
-    operand) and the gradients in it as handed back ("hold" holds those: `loss_saved`; in
-    fp32 its accumulators are what it holds). Transformers' loss, in backward beside its
-    saved fp32 log-softmax: two fp32 `[tokens, vocab]` gradients (the NLL's and the
-    log-softmax's), more than forward's logits with their fp32 copy.
+    Tiled, in the gradient pass (forward with "hold", backward with "recompute"; vocab blocks
+    outermost, `loss_block`): the fp32 accumulator of the hidden states' gradient, the weight's
+    gradient in the compute dtype ("hold" holds it and, cast at the end, the hidden states':
+    `loss_saved`), and one block's working bytes: its fp32 logits beside their copy in a
+    16-bit compute dtype (the GEMM's output, then the gradient cast for the next GEMMs), or
+    that copy beside a gradient product (`[rows, hidden]` in fp32, and on CPU first in the
+    compute dtype), plus, over several token blocks, the weight rows' fp32 accumulator.
+    Transformers' loss, in backward beside its saved fp32 log-softmax: two fp32 `[tokens,
+    vocab]` gradients (the NLL's and the log-softmax's), more than forward's logits with
+    their fp32 copy.
     """
     tokens = options.batch_size * options.seq_len // parallel.cp
     vocab = _vocab_local(shape, parallel)
@@ -56,8 +60,12 @@ def loss_transient(shape: ModelShape, parallel: Parallel, options: StepOptions) 
     if options.tiled_loss == "off":
         return tokens * vocab * 8
     copies = 0 if c == 4 else c
-    tile = min(tokens, loss_tile_tokens(vocab, options.loss_tile_bytes))
-    gradients = (vocab + tokens) * shape.hidden
+    token_rows, vocab_rows = loss_block(tokens, vocab, options.loss_tile_bytes)
+    block = token_rows * vocab_rows
+    product = 0 if not copies else max(token_rows, vocab_rows) * shape.hidden * (4 + (c if options.device == "cpu" else 0))
+    accumulator = vocab_rows * shape.hidden * 4 if copies and tokens > token_rows else 0
+    working = max(block * (4 + copies), block * copies + product) + accumulator
+    grad_hidden = tokens * shape.hidden * 4
     if options.tiled_loss == "hold":
-        return tile * vocab * (4 + copies) + gradients * (4 if copies else 0)
-    return tile * vocab * (4 + copies) + gradients * (4 + copies)
+        return working + (grad_hidden if copies else 0)
+    return grad_hidden + vocab * shape.hidden * c + max(working, tokens * shape.hidden * copies)

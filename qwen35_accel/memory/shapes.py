@@ -123,8 +123,8 @@ class StepOptions:
     `param_bytes`: the storage dtype's size (4 under a bf16/fp16 policy: fp32 masters);
     `device`: where the step runs; `fla`: on "cuda", whether FLA and causal-conv1d are
     installed (the GatedDeltaNet kernels; without them Transformers' torch kernels run);
-    `tiled_loss`: "hold", "recompute" or "off" (Transformers' loss), as the setting of that
-    name (True is "hold", False "off"); `reference_model`: the run also holds a frozen copy of
+    `tiled_loss`: "recompute", "hold" or "off" (Transformers' loss), as the setting of that
+    name (True is "recompute", False "off"); `reference_model`: the run also holds a frozen copy of
     the model (TRL's `ref_model` of DPO/KTO, of GRPO/RLOO with `beta` > 0), prepared as the
     policy is (see `estimate`); `reference_bytes`: its storage dtype's size, the checkpoint's as
     loaded (the plugin keeps a frozen model's dtype: 2 for a bf16 checkpoint under any policy);
@@ -137,7 +137,7 @@ class StepOptions:
     optimizer: str = "adamw"
     activation_checkpointing: bool = False
     activation_offload: bool = False
-    tiled_loss: bool | str = "hold"
+    tiled_loss: bool | str = "recompute"
     loss_tile_bytes: int = DEFAULT_LOSS_TILE_BYTES
     forward_prefetch_depth: int = 1
     backward_prefetch_depth: int = 2
@@ -150,7 +150,7 @@ class StepOptions:
         from ..parallel.tiled_head import LOSS_MODES
 
         if isinstance(self.tiled_loss, bool):
-            object.__setattr__(self, "tiled_loss", "hold" if self.tiled_loss else "off")
+            object.__setattr__(self, "tiled_loss", "recompute" if self.tiled_loss else "off")
         if self.tiled_loss not in ("off", *LOSS_MODES):
             raise ValueError(f"tiled_loss {self.tiled_loss!r} is not one of off, {', '.join(LOSS_MODES)}; pass one of them")
         if self.optimizer not in OPTIMIZERS:

@@ -1,15 +1,14 @@
-"""A training loss that never holds `[tokens, vocab]`: the lm_head and the cross entropy in tiles.
+"""A training loss that never holds `[tokens, vocab]`: the lm_head and the cross entropy in blocks.
 
 `install_tiled_loss(model)` gives a `Qwen3_5ForCausalLM` or a `Qwen3_5ForConditionalGeneration`
 (the VLM: the same loss after its vision tower and mRoPE) a forward that, when autograd is
 recording and `labels` are given (a training step), runs the backbone and computes the loss
-with `linear_cross_entropy_sum` over the labelled positions only, tile by tile, and returns
+with `linear_cross_entropy_sum` over the labelled positions only, block by block, and returns
 `logits=None`: nothing of size tokens × vocab is made whole or kept for backward
 (Transformers' path keeps the logits and an fp32 copy, ~1.45 MiB per token at vocab
-248,320). Its mode: "hold" (the default) computes the gradients in forward (no GEMM repeated)
-and holds them, the lm_head weight's size among them (the gradients Transformers' backward
-makes first, so a step's peak is the same); "recompute" keeps the labelled hidden states and
-one fp32 number per token and recomputes each tile's logits in backward.
+248,320). Its mode: "recompute" (the default) keeps the labelled hidden states and one fp32
+number per token and recomputes each block's logits in backward; "hold" computes the
+gradients in forward (the same GEMMs) and holds them, the lm_head weight's size among them.
 The loss is
 Transformers' (`num_items_in_batch`, `shift_labels`, -100 ignored), over the model's cp
 group and vocab-parallel lm_head when `PARALLELIZER.apply` installed them (`CausalLMLoss`'s
@@ -38,7 +37,7 @@ from .tiled_head import DEFAULT_LOSS_MODE, LOSS_MODES, linear_cross_entropy_sum,
 
 TILED_LOSS_CHOICES: tuple[str, ...] = ("off", *LOSS_MODES)
 TILED_LOSS_ATTR = "_qwen35_tiled_loss"  # the mode; False on an installed model: Transformers' path again
-TILE_ATTR = "_qwen35_tiled_loss_tile"  # tokens per tile; None: `token_tile_size` of the local vocab
+TILE_ATTR = "_qwen35_tiled_loss_tile"  # tokens per block; None: `block_shape`'s
 _TILED_CLASSES: dict[type, type] = {}
 # The classes that take the tiled loss, with the output class of their forward.
 _OUTPUT_CLASSES: dict[type, type] = {
@@ -53,12 +52,12 @@ def uses_tiled_loss(model: nn.Module) -> bool:
 
 
 def tiled_loss_mode(model: nn.Module) -> str:
-    """The tiled loss's mode on `model`: "hold", "recompute", or "off" (Transformers' loss)."""
+    """The tiled loss's mode on `model`: "recompute", "hold", or "off" (Transformers' loss)."""
     return getattr(model, TILED_LOSS_ATTR, False) or "off"
 
 
 def tiled_loss_choice(value: bool | str) -> str:
-    """`value` as one of `TILED_LOSS_CHOICES`: True is the default mode ("hold"), False "off"."""
+    """`value` as one of `TILED_LOSS_CHOICES`: True is the default mode ("recompute"), False "off"."""
     mode = (DEFAULT_LOSS_MODE if value else "off") if isinstance(value, bool) else value
     if mode not in TILED_LOSS_CHOICES:
         raise ValueError(f"tiled_loss={value!r}: expected one of {list(TILED_LOSS_CHOICES)} (or True/False)")
@@ -139,9 +138,9 @@ def _tiled_class(cls: type) -> type:
 
 def install_tiled_loss(model: nn.Module, *, tile: int | None = None, mode: str = DEFAULT_LOSS_MODE) -> bool:
     """Give `model` (a `Qwen3_5ForCausalLM` or `Qwen3_5ForConditionalGeneration`, unsharded)
-    the tiled training loss in `mode` (`LOSS_MODES`: "hold" or "recompute", see
-    `linear_cross_entropy_sum`), `tile` tokens per tile (default: `token_tile_size` of the
-    lm_head's rows); returns False, changing nothing, for other classes. Idempotent."""
+    the tiled training loss in `mode` (`LOSS_MODES`: "recompute" or "hold", see
+    `linear_cross_entropy_sum`), `tile` tokens per block (default: `tiled_blocks.block_shape`'s);
+    returns False, changing nothing, for other classes. Idempotent."""
     if mode not in LOSS_MODES:
         raise ValueError(f"install_tiled_loss: mode {mode!r} is not one of {list(LOSS_MODES)}")
     if not isinstance(model, tuple(_OUTPUT_CLASSES)):

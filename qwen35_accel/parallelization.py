@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from .model.detect import Qwen35Parts, qwen35_parts, unwrap_qwen35
+from .model.detect import FAMILIES, Qwen35Parts, qwen35_parts, unwrap_qwen35
 from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
 from .parallel.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -36,6 +36,7 @@ from .parallel.fsdp import (
     unit_record,
 )
 from .parallel.mesh import ParallelDims, mesh_device, mesh_dim_names, mesh_dim_size
+from .parallel.moe import check_moe_layout
 from .parallel.tiled_loss import install_tiled_loss, tiled_loss_choice, tiled_loss_mode
 from .parallel.tensor_parallel import (
     apply_tensor_parallel,
@@ -119,13 +120,14 @@ class Qwen3_5ModelParallelizer:
         weight-sized one among them, from forward); other forwards keep Transformers' logits.
         "off" (or False): Transformers' loss.
 
-        Preconditions: `torch.distributed` is initialised; `model` is a dense Qwen3.5
-        model (TypeError otherwise), possibly inside a PEFT LoRA wrapper, not yet sharded; `device_mesh` has a dim (own or
+        Preconditions: `torch.distributed` is initialised; `model` is a Qwen3.5 model, dense or
+        MoE (the MoE family: data parallelism only so far, `parallel.moe`; TypeError otherwise),
+        possibly inside a PEFT LoRA wrapper, not yet sharded; `device_mesh` has a dim (own or
         flattened) named `dp_shard_cp_mesh_name` (ValueError otherwise). The
         `dp_replicate`, `cp` and `tp` dims are optional (absent = size 1); a replicate
         dim of size > 1 gives HSDP over (`dp_replicate`, `dp_shard_cp`).
         """
-        parts = qwen35_parts(model)  # TypeError for anything but dense Qwen3.5
+        parts = qwen35_parts(model, families=FAMILIES)  # TypeError for anything but Qwen3.5
         # A PEFT wrapper (LoRA) stays the outer module and becomes the root unit, as in stock
         # Accelerate; every model-level step acts on the Qwen3.5 model inside it.
         base = unwrap_qwen35(model)
@@ -137,6 +139,7 @@ class Qwen3_5ModelParallelizer:
         tiled_loss = tiled_loss_choice(tiled_loss)
         dims = ParallelDims(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, cp_mesh_name, tp_mesh_name)
         tp_size, cp_size = dims.tp_size, dims.cp_size
+        check_moe_layout(parts, cp_size=cp_size, tp_size=tp_size)
         check_no_cpu_offload(offload_policy, tp_size)  # before any change, on every rank
         if tp_size > 1:
             check_tp_divisible(base.config.get_text_config(), tp_size)
@@ -229,7 +232,7 @@ class Qwen3_5ModelParallelizer:
         layer's compute (gloo, small models).
         """
         _check_choice("fp32_holder_units", fp32_holder_units, FP32_HOLDER_UNITS_CHOICES)
-        parts = parts or qwen35_parts(module)
+        parts = parts or qwen35_parts(module, families=FAMILIES)
         policy = mp_policy or MixedPrecisionPolicy()
         common = dict(
             mesh=mesh,

@@ -47,10 +47,10 @@ def compile_prepared(model: nn.Module, compile_kwargs: dict[str, Any] | None, *,
     """Compile the prepared `model`'s regions when `take_over_compile` returned keyword arguments;
     returns what the prepared line says about compilation ("" when nothing is compiled)."""
     if compile_kwargs is not None:
-        from ..model.detect import qwen35_parts
+        from ..model.detect import FAMILIES, qwen35_parts
         from ..parallel.regional_compile import compile_layer_regions
 
-        regions = compile_layer_regions(qwen35_parts(model), context_parallel=context_parallel, **compile_kwargs)
+        regions = compile_layer_regions(qwen35_parts(model, families=FAMILIES), context_parallel=context_parallel, **compile_kwargs)
         return (f", torch.compile (Accelerate's dynamo_config): per decoder layer, {regions}; eager: the FSDP2 units' "
                 "hooks, the gate holders, the loss head, CUDA kernels, packed rows' conv and rule, CP's collectives")
     if hasattr(model, "_orig_mod"):  # under tp: Accelerate's dynamo_config compiled the whole model before this wrap

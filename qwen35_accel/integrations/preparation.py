@@ -21,7 +21,7 @@ from torch import nn
 from .compilation import compile_prepared, take_over_compile
 from .notices import main_process_note
 from .settings import PluginSettings, check_same_on_every_rank
-from .targets import is_dense_qwen35_module, the_model
+from .targets import is_dense_qwen35_module, is_plugin_fsdp2_module, is_qwen35_module, the_model
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any) -> Any:
         model = the_model(args)
-        if model is not None and is_dense_qwen35_module(model):
+        if model is not None and is_plugin_fsdp2_module(model, self):
             from ..model.fp32_gate import install_fp32_gate
 
             from .activation import install
@@ -41,7 +41,7 @@ def prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
             install_fp32_gate(model)
             _note_restored_gates(model)
             _present_layer_classes_only(self.state.fsdp_plugin, model)
-        elif model is not None and _is_qwen35_moe(model):
+        elif model is not None and is_qwen35_module(model):
             main_process_note(_moe_note(self.state.fsdp_plugin, model))
         result = original(self, *args)
         if model is not None and getattr(model, "_qwen35_accel_prepared", False):
@@ -76,21 +76,15 @@ def _present_layer_classes_only(plugin: Any, model: nn.Module) -> None:
             plugin.transformer_cls_names_to_wrap = names
 
 
-def _is_qwen35_moe(model: nn.Module) -> bool:
-    """A Qwen3.5 MoE model (`Qwen3_5MoeForCausalLM`, `…ForConditionalGeneration`, or PEFT around one)."""
-    config = getattr(model, "config", None)
-    return getattr(config, "model_type", None) in ("qwen3_5_moe", "qwen3_5_moe_text")
-
-
 def _moe_note(plugin: Any, model: nn.Module) -> str:
-    """One line for a Qwen3.5 MoE model: Accelerate's own path, and why it then fails if it will.
-
-    Not fixed here (invariant: every model but dense Qwen3.5 gets stock Accelerate): stock
-    Accelerate fails the same way with or without qwen35_accel, and the YAML key fixes it.
+    """One line for a Qwen3.5 MoE model the plugin leaves to Accelerate (context or tensor
+    parallelism: not built for MoE yet, `parallel.moe`): Accelerate's own path, and why it then
+    fails if it will. Not fixed here: stock Accelerate fails the same way with or without
+    qwen35_accel, and the YAML key fixes it.
     """
     note = (
-        f"{type(model).__name__} is a Qwen3.5 MoE model: qwen35_accel prepares dense Qwen3.5 only, so Accelerate's own "
-        "FSDP2 path runs (no fp32 gate units, no qwen35_accel CP/TP)"
+        f"{type(model).__name__} is a Qwen3.5 MoE model: qwen35_accel prepares it under data parallelism only so far, so "
+        "with context or tensor parallelism Accelerate's own FSDP2 path runs (no fp32 gate units, no qwen35_accel CP/TP)"
     )
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
@@ -127,7 +121,7 @@ def accelerate_keeps_present_wrap_classes_only() -> bool:
 def fsdp2_apply_ac(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(accelerator: Any, model: nn.Module) -> nn.Module:
-        if is_dense_qwen35_module(model):
+        if is_plugin_fsdp2_module(model, accelerator):
             return model  # fsdp2_prepare_model -> PARALLELIZER.apply(activation_checkpointing=True)
         return original(accelerator, model)
 
@@ -284,10 +278,10 @@ def _one_activation_checkpointing(model: nn.Module, ours: bool, accelerate_offlo
     only some layers (`every_n_layers`) it stays Transformers', offload included. Returns the
     line's text, whether ours checkpoints and whether ours offloads.
     """
-    from ..model.detect import qwen35_parts
+    from ..model.detect import FAMILIES, qwen35_parts
     from ..parallel.activation_checkpointing import checkpoint_targets, describe_checkpoint_targets
 
-    parts = qwen35_parts(model)
+    parts = qwen35_parts(model, families=FAMILIES)
     layers = parts.decoder_layers
     flagged = [layer for layer in layers if getattr(layer, "gradient_checkpointing", False) is True]
     blocks = [block for block in parts.vision_blocks if getattr(block, "gradient_checkpointing", False) is True]
@@ -338,7 +332,7 @@ def _offloads(module: nn.Module) -> bool:
 def fsdp2_prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(accelerator: Any, model: nn.Module) -> nn.Module:
-        if is_dense_qwen35_module(model):
+        if is_plugin_fsdp2_module(model, accelerator):
             return prepare_qwen35_fsdp2(accelerator, model)
         return original(accelerator, model)
 
@@ -411,7 +405,7 @@ def _fp32_gates_wanted(model: nn.Module) -> bool:
 
 
 def prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
-    """The wrapper of `Accelerator.prepare_model`: a dense Qwen3.5 model prepared without FSDP whose
+    """The wrapper of `Accelerator.prepare_model`: a Qwen3.5 model (dense or MoE) prepared without FSDP whose
     gates are stored below fp32 (a bf16 load) gets the fp32 gate holders (`install_fp32_gate`)
     before Accelerate wraps it (autocast, DDP): the gates take the checkpoint's fp32 values back,
     train in fp32 and are saved in fp32. The Parameter objects are kept, so an optimizer made
@@ -421,7 +415,7 @@ def prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def wrapper(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if is_dense_qwen35_module(model) and _without_fsdp(self, model) and _fp32_gates_wanted(model):
+        if is_qwen35_module(model) and _without_fsdp(self, model) and _fp32_gates_wanted(model):
             from ..model.detect import unwrap_qwen35
             from ..model.fp32_gate import install_fp32_gate
 

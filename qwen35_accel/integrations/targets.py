@@ -14,6 +14,28 @@ def is_dense_qwen35_module(model: Any) -> bool:
     return isinstance(model, nn.Module) and is_dense_qwen35(model)
 
 
+def is_qwen35_module(model: Any) -> bool:
+    """A Qwen3.5 model of either family (dense or MoE), wrappers looked through."""
+    from ..model.detect import qwen35_family
+
+    return isinstance(model, nn.Module) and qwen35_family(model) is not None
+
+
+def data_parallel_only(accelerator: Any) -> bool:
+    """Accelerate's parallelism config (if any) has cp 1 and tp 1."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return config is None or (getattr(config, "cp_size", 1) == 1 and getattr(config, "tp_size", 1) == 1)
+
+
+def is_plugin_fsdp2_module(model: Any, accelerator: Any) -> bool:
+    """A module the plugin's FSDP2 preparation takes over: a dense Qwen3.5, or a Qwen3.5-MoE
+    under data parallelism alone (`parallel.moe`: its cp and tp are not built; those keep
+    Accelerate's path, which refuses cp and runs Transformers' tp). Anything else: Accelerate's."""
+    if is_dense_qwen35_module(model):
+        return True
+    return is_qwen35_module(model) and data_parallel_only(accelerator)
+
+
 def the_model(args: tuple[Any, ...]) -> nn.Module | None:
     """The one module among a prepare call's arguments, or None for zero or several."""
     models = [a for a in args if isinstance(a, nn.Module)]

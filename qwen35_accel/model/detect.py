@@ -1,7 +1,11 @@
-"""Is this a dense Qwen3.5 model, and where are its parts?
+"""Is this a Qwen3.5 model, of which family, and where are its parts?
 
-Dense Qwen3.5 means the Transformers `qwen3_5` family (hybrid GatedDeltaNet + gated full
-attention, dense MLP); the `qwen3_5_moe` family is a different model and is not detected.
+Two families share the hybrid GatedDeltaNet + gated full attention stack: dense
+(Transformers' `qwen3_5`: a dense MLP per layer) and MoE (`qwen3_5_moe`: a sparse MoE block
+per layer; its GatedDeltaNet, attention and norms are the dense ones' source under other
+class names, `tests/test_moe.py` holds that premise). `is_dense_qwen35` answers for the dense
+family, which every feature takes; `qwen35_family` for both; `qwen35_parts` locates the
+parts of the families a caller takes (`families`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
 # The classes `PARALLELIZER.apply` knows how to shard, by name for error messages.
 SUPPORTED_CLASSES: tuple[type[nn.Module], ...] = (
@@ -19,6 +24,14 @@ SUPPORTED_CLASSES: tuple[type[nn.Module], ...] = (
     hf.Qwen3_5TextModel,
     hf.Qwen3_5Model,
 )
+# The MoE family's classes, in the same roles.
+MOE_CLASSES: tuple[type[nn.Module], ...] = (
+    hf_moe.Qwen3_5MoeForCausalLM,
+    hf_moe.Qwen3_5MoeForConditionalGeneration,
+    hf_moe.Qwen3_5MoeTextModel,
+    hf_moe.Qwen3_5MoeModel,
+)
+FAMILIES: tuple[str, ...] = ("dense", "moe")
 
 
 def peft_base_model(model: nn.Module) -> nn.Module | None:
@@ -57,15 +70,25 @@ def is_dense_qwen35(model: nn.Module) -> bool:
     return isinstance(unwrap_qwen35(model), SUPPORTED_CLASSES)
 
 
-def supported_class_names() -> str:
-    return ", ".join(cls.__name__ for cls in SUPPORTED_CLASSES)
+def qwen35_family(model: nn.Module) -> str | None:
+    """"dense", "moe", or None for a model of neither family (wrappers looked through)."""
+    inner = unwrap_qwen35(model)
+    if isinstance(inner, SUPPORTED_CLASSES):
+        return "dense"
+    return "moe" if isinstance(inner, MOE_CLASSES) else None
+
+
+def supported_class_names(families: tuple[str, ...] = ("dense",)) -> str:
+    classes = (SUPPORTED_CLASSES if "dense" in families else ()) + (MOE_CLASSES if "moe" in families else ())
+    return ", ".join(cls.__name__ for cls in classes)
 
 
 @dataclass(frozen=True)
 class Qwen35Parts:
-    """The modules of a dense Qwen3.5 model that the parallelizer treats specially.
+    """The modules of a Qwen3.5 model that the parallelizer treats specially.
 
-    `decoder_layers` are in execution order; `vision_blocks` is empty for text models.
+    `decoder_layers` are in execution order; `vision_blocks` is empty for text models;
+    `family`: "dense" or "moe" (`qwen35_family`).
     """
 
     text_model: nn.Module
@@ -76,24 +99,30 @@ class Qwen35Parts:
     lm_head: nn.Module | None
     vision_model: nn.Module | None
     vision_blocks: tuple[nn.Module, ...]
+    family: str = "dense"
 
 
-def qwen35_parts(model: nn.Module) -> Qwen35Parts:
-    """Locate the parts of a dense Qwen3.5 model (looked up inside wrappers, see
-    `unwrap_qwen35`); TypeError for anything else."""
+def qwen35_parts(model: nn.Module, families: tuple[str, ...] = ("dense",)) -> Qwen35Parts:
+    """Locate the parts of a Qwen3.5 model of one of `families` (looked up inside wrappers,
+    see `unwrap_qwen35`); TypeError for anything else."""
     model = unwrap_qwen35(model)
-    if not is_dense_qwen35(model):
+    family = qwen35_family(model)
+    if family not in families:
+        what = "dense Qwen3.5 models" if families == ("dense",) else "Qwen3.5 models"
+        more = " (the MoE family is taken by the FSDP2 path alone so far: see docs/moe.md)" if family == "moe" else ""
         raise TypeError(
-            f"qwen35_accel supports dense Qwen3.5 models ({supported_class_names()}); "
-            f"got {type(model).__module__}.{type(model).__name__}. For other models use Accelerate's own FSDP2 path."
+            f"qwen35_accel supports {what} here ({supported_class_names(families)}); "
+            f"got {type(model).__module__}.{type(model).__name__}{more}. For other models use Accelerate's own FSDP2 path."
         )
-    if isinstance(model, hf.Qwen3_5TextModel):
+    # The four classes of each family, in the order of SUPPORTED_CLASSES / MOE_CLASSES.
+    _causal, conditional, text, base = SUPPORTED_CLASSES if family == "dense" else MOE_CLASSES
+    if isinstance(model, text):
         text_model, vision = model, None
-    elif isinstance(model, hf.Qwen3_5Model):
+    elif isinstance(model, base):
         text_model, vision = model.language_model, model.visual
-    elif isinstance(model, hf.Qwen3_5ForConditionalGeneration):
+    elif isinstance(model, conditional):
         text_model, vision = model.model.language_model, model.model.visual
-    else:  # Qwen3_5ForCausalLM
+    else:  # the causal LM
         text_model, vision = model.model, None
     layers = tuple(text_model.layers)
     return Qwen35Parts(
@@ -105,4 +134,5 @@ def qwen35_parts(model: nn.Module) -> Qwen35Parts:
         lm_head=getattr(model, "lm_head", None),
         vision_model=vision,
         vision_blocks=tuple(vision.blocks) if vision is not None else (),
+        family=family,
     )

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
 from ..ops.causal_conv import fla_conv_kernel
 from ..ops.documents import per_document
@@ -295,6 +296,21 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         return self.out_proj(core_attn_out.reshape(batch_size, seq_len, -1))
 
 
+class Fp32GateMoeGatedDeltaNet(Fp32GateGatedDeltaNet, hf_moe.Qwen3_5MoeGatedDeltaNet):
+    """The MoE family's GatedDeltaNet with the fp32 gate holder: the dense layer's code, which
+    is the MoE layer's own with the class names mapped (`tests/test_moe.py` holds that
+    premise: a Transformers release that changes one fails it before any parity drifts)."""
+
+
+# Each family's GatedDeltaNet and text decoder, and the fp32-gate class each GatedDeltaNet becomes.
+GATED_DELTA_NET_CLASSES: tuple[type[nn.Module], ...] = (hf.Qwen3_5GatedDeltaNet, hf_moe.Qwen3_5MoeGatedDeltaNet)
+TEXT_MODEL_CLASSES: tuple[type[nn.Module], ...] = (hf.Qwen3_5TextModel, hf_moe.Qwen3_5MoeTextModel)
+_FP32_GATE_CLASS: dict[type[nn.Module], type[nn.Module]] = {
+    hf.Qwen3_5GatedDeltaNet: Fp32GateGatedDeltaNet,
+    hf_moe.Qwen3_5MoeGatedDeltaNet: Fp32GateMoeGatedDeltaNet,
+}
+
+
 def _named_parameters_with_transformers_names(
     self: nn.Module, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
 ) -> Iterator[tuple[str, nn.Parameter]]:
@@ -311,7 +327,7 @@ def rounded_gate_dtypes(model: nn.Module) -> list[str]:
     (a bf16 load), sorted; empty where they are fp32 (or held by `_fp32_params`). Any device."""
     return sorted({
         str(getattr(module, name).dtype)
-        for module in model.modules() if isinstance(module, hf.Qwen3_5GatedDeltaNet)
+        for module in model.modules() if isinstance(module, GATED_DELTA_NET_CLASSES)
         for name in GATE_PARAM_NAMES
         if _below_fp32(getattr(module, name).dtype)
     })
@@ -324,7 +340,8 @@ def has_fp32_gate(module: nn.Module) -> bool:
 def install_fp32_gate(model: nn.Module) -> int:
     """Move every GatedDeltaNet's `A_log` and `dt_bias` into an fp32 `_fp32_params` holder.
 
-    Works on any module tree holding `Qwen3_5GatedDeltaNet` layers, on any device
+    Works on any module tree holding `Qwen3_5GatedDeltaNet` layers (or the MoE family's
+    `Qwen3_5MoeGatedDeltaNet`, which become `Fp32GateMoeGatedDeltaNet`), on any device
     (meta included) and before any sharding. Values are converted exactly (upcast to
     fp32); gates loaded in a lower precision (`from_pretrained(..., dtype=torch.bfloat16)`)
     take the checkpoint's fp32 values back when the model's `name_or_path` leads to its
@@ -340,12 +357,12 @@ def install_fp32_gate(model: nn.Module) -> int:
     converted = 0
     arrived: dict[nn.Module, dict[str, torch.dtype]] = {}  # gates loaded below fp32 precision (not meta)
     for module in model.modules():
-        if not isinstance(module, hf.Qwen3_5GatedDeltaNet) or has_fp32_gate(module):
+        if not isinstance(module, GATED_DELTA_NET_CLASSES) or has_fp32_gate(module):
             continue
-        if type(module) is not hf.Qwen3_5GatedDeltaNet:
+        if type(module) not in _FP32_GATE_CLASS:
             raise TypeError(
-                f"install_fp32_gate: {type(module).__name__} subclasses Qwen3_5GatedDeltaNet with its own forward; "
-                "converting it would drop that forward. Only the Transformers class itself is supported."
+                f"install_fp32_gate: {type(module).__name__} subclasses Transformers' GatedDeltaNet with its own "
+                "forward; converting it would drop that forward. Only the Transformers classes themselves are supported."
             )
         rounded = {
             name: param.dtype
@@ -357,7 +374,7 @@ def install_fp32_gate(model: nn.Module) -> int:
         A_log = module._parameters.pop("A_log")
         dt_bias = module._parameters.pop("dt_bias")
         module.add_module(HOLDER_NAME, Fp32GateParams(A_log, dt_bias))
-        swap_class(module, Fp32GateGatedDeltaNet)
+        swap_class(module, _FP32_GATE_CLASS[type(module)])
         module.register_state_dict_post_hook(_gate_state_dict_post_hook)
         module.register_load_state_dict_pre_hook(_gate_load_state_dict_pre_hook)
         converted += 1
@@ -366,7 +383,7 @@ def install_fp32_gate(model: nn.Module) -> int:
         if restored:  # for the plugin's prepared line
             setattr(model, RESTORED_GATES_ATTR, getattr(model, RESTORED_GATES_ATTR, 0) + restored)
     for module in model.modules():  # every text decoder that holds converted layers
-        if isinstance(module, hf.Qwen3_5TextModel) and any(has_fp32_gate(m) for m in module.modules()):
+        if isinstance(module, TEXT_MODEL_CLASSES) and any(has_fp32_gate(m) for m in module.modules()):
             install_packing_hook(module)
     if (converted or any(has_fp32_gate(m) for m in model.modules())) and "named_parameters" not in model.__dict__:
         # One naming everywhere: parameter names match state-dict keys and checkpoints

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
 
 def tiny_text_config(*, tie_word_embeddings: bool = False, num_hidden_layers: int = 3, **overrides: Any) -> Qwen3_5TextConfig:
@@ -74,17 +76,36 @@ def tiny_vlm_config(**text_overrides: Any) -> Qwen3_5Config:
     return config
 
 
+def tiny_moe_text_config(*, num_hidden_layers: int = 3, **overrides: Any) -> Qwen3_5MoeTextConfig:
+    """`tiny_text_config`'s shape for the MoE family: 6 experts, top 2, a shared expert."""
+    dense = tiny_text_config(num_hidden_layers=num_hidden_layers).to_dict()
+    kwargs = {key: dense[key] for key in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+        "linear_conv_kernel_dim", "layer_types", "tie_word_embeddings", "max_position_embeddings", "pad_token_id")}
+    kwargs.update(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    kwargs.update(overrides)
+    config = Qwen3_5MoeTextConfig(**kwargs)
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"  # the one-process oracle's experts loop
+    return config
+
+
 @torch.no_grad()
 def randomize_for_parity(model: nn.Module, seed: int) -> nn.Module:
     """Deterministically re-initialise `model` (in place) so parallel bugs show.
 
     GatedDeltaNet: `A_log = log(U(0.002, 0.05))`, `dt_bias ~ N(0, 0.3)` (weak decay);
-    every 1-D parameter (norm weights, biases) gets noise; the rest keeps its init.
-    Works before or after `install_fp32_gate`.
+    every 1-D parameter (norm weights, biases) gets noise; MoE routers get weights of
+    std 0.3 (Transformers starts them at zero: every token would tie), so a token's top-k
+    experts are apart by far more than any reduction order moves the logits; the rest keeps
+    its init. Works before or after `install_fp32_gate`.
     """
     gen = torch.Generator().manual_seed(seed)
     for module in model.modules():
-        if isinstance(module, hf.Qwen3_5GatedDeltaNet):
+        if isinstance(module, hf_moe.Qwen3_5MoeTopKRouter):
+            module.weight.copy_((0.3 * torch.randn(module.weight.shape, generator=gen)).to(module.weight.dtype))
+        if isinstance(module, (hf.Qwen3_5GatedDeltaNet, hf_moe.Qwen3_5MoeGatedDeltaNet)):
             n = module.A_log.numel()
             module.A_log.copy_(torch.empty(n).uniform_(0.002, 0.05, generator=gen).log())
             module.dt_bias.copy_(torch.randn(n, generator=gen) * 0.3)
@@ -106,5 +127,13 @@ def build_tiny_vlm(seed: int = 0, *, dtype: torch.dtype = torch.float32, **text_
     """Unmodified Transformers `Qwen3_5ForConditionalGeneration`, same weights per seed."""
     torch.manual_seed(seed)
     model = hf.Qwen3_5ForConditionalGeneration(tiny_vlm_config(**text_overrides))
+    randomize_for_parity(model, seed)
+    return model.to(dtype)
+
+
+def build_tiny_moe_causal_lm(seed: int = 0, *, dtype: torch.dtype = torch.float32, **config_overrides: Any) -> hf_moe.Qwen3_5MoeForCausalLM:
+    """Unmodified Transformers `Qwen3_5MoeForCausalLM` (`tiny_moe_text_config`), same weights per seed."""
+    torch.manual_seed(seed)
+    model = hf_moe.Qwen3_5MoeForCausalLM(tiny_moe_text_config(**config_overrides))
     randomize_for_parity(model, seed)
     return model.to(dtype)

@@ -54,7 +54,9 @@ def compile_layer_regions(parts: Qwen35Parts, *, context_parallel: bool, **compi
     Returns what was compiled, in words, for the prepared line."""
     compiled: set[str] = set()
     for layer in parts.decoder_layers:
-        for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+        # The MoE family's sparse block routes by data (its experts loop): left eager.
+        mlp = ("mlp",) if parts.family == "dense" else ()
+        for name in ("input_layernorm", "post_attention_layernorm", *mlp):
             module = getattr(layer, name, None)
             if isinstance(module, nn.Module):
                 _compile_module(module, compile_kwargs)

@@ -9,10 +9,19 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
 
-from ..model.tiny import build_tiny_causal_lm, build_tiny_vlm, randomize_for_parity, tiny_text_config, tiny_vlm_config
+from ..model.tiny import (
+    build_tiny_causal_lm,
+    build_tiny_moe_causal_lm,
+    build_tiny_vlm,
+    randomize_for_parity,
+    tiny_moe_text_config,
+    tiny_text_config,
+    tiny_vlm_config,
+)
 
 __all__ = [
     "build_tiny_causal_lm",
+    "build_tiny_moe_causal_lm",
     "build_tiny_vlm",
     "concat_vlm_batches",
     "mixed_vlm_batch",
@@ -21,6 +30,7 @@ __all__ = [
     "random_batch",
     "random_vlm_batch",
     "randomize_for_parity",
+    "tiny_moe_text_config",
     "tiny_text_config",
     "tiny_vlm_config",
 ]

@@ -1,0 +1,154 @@
+"""Qwen3.5-MoE under the parallelizer (issue 46, slice 2: fp32 gate units and FSDP2, data
+parallelism only): the premise that its GatedDeltaNet is the dense one's code, the fp32 gate
+holder equal to the unmodified model, FSDP2 at world 2 equal to one process (loss, every
+gradient, and the experts every token was routed to), and cp / tp refused on every rank."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+
+from _dist import run_world
+from _parity import assert_close, assert_grads_match
+
+BATCH_PER_RANK, SEQ, STEPS = 2, 24, 2
+
+
+@pytest.mark.parametrize("name", ["GatedDeltaNet", "RMSNormGated", "RMSNorm", "TextRotaryEmbedding"])
+def test_the_moe_familys_layers_are_the_dense_ones_code(name):
+    """`Fp32GateMoeGatedDeltaNet` runs the dense layer's code on MoE layers: sound only while
+    Transformers' MoE classes are the dense ones' source with the names mapped."""
+    dense = inspect.getsource(getattr(hf, f"Qwen3_5{name}"))
+    moe = inspect.getsource(getattr(hf_moe, f"Qwen3_5Moe{name}")).replace("Qwen3_5Moe", "Qwen3_5")
+    assert moe == dense, f"Qwen3_5Moe{name} is no longer Qwen3_5{name}'s code: review Fp32GateMoeGatedDeltaNet"
+    for function in ("apply_mask_to_padding_states", "l2norm"):
+        assert inspect.getsource(getattr(hf_moe, function)) == inspect.getsource(getattr(hf, function)), function
+
+
+def test_the_fp32_gate_holder_on_moe_layers_equals_the_unmodified_model():
+    from qwen35_accel.model.detect import qwen35_family, qwen35_parts
+    from qwen35_accel.model.fp32_gate import has_fp32_gate, install_fp32_gate
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, random_batch
+
+    reference = build_tiny_moe_causal_lm(seed=0, output_router_logits=True)
+    model = copy.deepcopy(reference)
+    assert qwen35_family(model) == "moe" and qwen35_parts(model, families=("dense", "moe")).family == "moe"
+    with pytest.raises(TypeError, match="the MoE family is taken by the FSDP2 path alone so far"):
+        qwen35_parts(model)  # the dense-only callers (CP, TP) refuse it
+    assert install_fp32_gate(model) == 2
+    assert all(has_fp32_gate(layer.linear_attn) for layer in model.model.layers if hasattr(layer, "linear_attn"))
+    assert sorted(model.state_dict()) == sorted(reference.state_dict())
+    batch = random_batch(2, SEQ, reference.config.vocab_size, seed=1)
+    want, got = reference(**batch), model(**batch)
+    want.loss.backward()
+    got.loss.backward()
+    assert torch.equal(got.loss, want.loss) and torch.equal(got.aux_loss, want.aux_loss)
+    assert assert_grads_match(model, reference, rtol=0, atol=0) > 0
+
+
+def _routing(model: torch.nn.Module) -> tuple[list[torch.Tensor], list]:
+    """Every MoE layer's chosen experts `[tokens, top_k]`, appended per forward."""
+    chosen: list[torch.Tensor] = []
+    hooks = [module.register_forward_hook(lambda _m, _i, out: chosen.append(out[2].detach().clone()))
+             for module in model.modules() if isinstance(module, hf_moe.Qwen3_5MoeTopKRouter)]
+    return chosen, hooks
+
+
+def _dp_worker(rank: int, world: int) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.model.fp32_gate import HOLDER_NAME
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, random_batch
+    from test_fsdp_parity import accelerate_style_mesh
+
+    # The router's load-balancing loss is each rank's (stock's meaning under dp): the
+    # reference is the mean of one process's losses on each rank's rows.
+    reference = build_tiny_moe_causal_lm(seed=0, output_router_logits=True)
+    model = build_tiny_moe_causal_lm(seed=0, output_router_logits=True)
+    PARALLELIZER.apply(model, accelerate_style_mesh(world))
+    holders = [m for name, m in model.named_modules() if name.endswith(HOLDER_NAME)]
+    assert len(holders) == 2 and all(p.dtype == torch.float32 for h in holders for p in h.parameters())
+    ref_routes, _ = _routing(reference)
+    routes, _ = _routing(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=1.0, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    for step in range(STEPS):
+        batch = random_batch(BATCH_PER_RANK * world, SEQ, reference.config.vocab_size, seed=100 + step)
+        rows = [{k: v[r * BATCH_PER_RANK : (r + 1) * BATCH_PER_RANK] for k, v in batch.items()} for r in range(world)]
+        ref_routes.clear(), routes.clear()
+        ref_losses = [reference(**part).loss for part in rows]
+        (sum(ref_losses) / world).backward()
+        loss = model(**rows[rank]).loss
+        loss.backward()
+        assert_close(loss.detach(), ref_losses[rank].detach(), f"rank {rank} loss at step {step}")
+        mine = ref_routes[rank * len(routes) : (rank + 1) * len(routes)]
+        for layer, (got, want) in enumerate(zip(routes, mine)):
+            assert torch.equal(got, want), f"rank {rank} step {step}: layer {layer} routed tokens to other experts"
+        assert assert_grads_match(model, reference) > 0
+        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+
+    # Context and tensor parallelism are not built for the MoE family: refused on every rank.
+    for sizes in ((1, 1, world, 1), (1, 1, 1, world)):
+        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        with pytest.raises(NotImplementedError, match=r"data parallelism \(FSDP2/HSDP\) only so far; (context|tensor) par"):
+            PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), mesh)
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_on_moe_equals_one_process_with_the_same_routing():
+    run_world(_dp_worker, 2)
+
+
+def test_moe_under_cp_or_tp_is_left_to_accelerate_with_one_line_that_predicts_its_wrap_failure():
+    """The plugin takes a MoE model under data parallelism only; elsewhere Accelerate's path runs
+    and the line says so, and names the fsdp_config key where Accelerate's wrap policy would look
+    for a class the model lacks."""
+    from types import SimpleNamespace
+
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from qwen35_accel.integrations.preparation import _moe_note
+    from qwen35_accel.integrations.targets import is_plugin_fsdp2_module
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_moe_causal_lm
+
+    model, dense = build_tiny_moe_causal_lm(seed=0), build_tiny_causal_lm(seed=0)
+    for sizes, taken in (({}, True), ({"dp_shard_size": 2}, True), ({"cp_size": 2}, False), ({"tp_size": 2}, False)):
+        accelerator = SimpleNamespace(parallelism_config=ParallelismConfig(**sizes) if sizes else None)
+        assert is_plugin_fsdp2_module(model, accelerator) is taken, sizes
+        assert is_plugin_fsdp2_module(dense, accelerator), sizes
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"])
+    note = _moe_note(plugin, model)
+    assert "under data parallelism only so far" in note
+    assert "its wrap policy looks for ['Qwen3_5MoeVisionBlock'], which this model lacks" in note
+    assert note.endswith("add `fsdp_transformer_layer_cls_to_wrap: Qwen3_5MoeDecoderLayer` to fsdp_config")
+    plugin.transformer_cls_names_to_wrap = ["Qwen3_5MoeDecoderLayer"]
+    assert "lacks" not in _moe_note(plugin, model)
+
+
+def test_a_bf16_load_of_a_moe_checkpoint_gets_its_fp32_gates_back_bitwise(tmp_path):
+    """`from_pretrained(..., dtype=torch.bfloat16)` rounds the gates; the holders read the
+    checkpoint's fp32 values back, as for the dense family."""
+    from transformers import AutoModelForCausalLM
+
+    from qwen35_accel.model.fp32_gate import RESTORED_GATES_ATTR, install_fp32_gate
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+
+    saved = build_tiny_moe_causal_lm(seed=0)
+    saved.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert loaded.model.layers[0].linear_attn.A_log.dtype == torch.bfloat16
+    assert install_fp32_gate(loaded) == 2 and getattr(loaded, RESTORED_GATES_ATTR) == 4
+    for got, want in zip(loaded.model.layers[:2], saved.model.layers[:2]):
+        for name in ("A_log", "dt_bias"):
+            value = getattr(got.linear_attn, name)
+            assert value.dtype == torch.float32 and torch.equal(value, getattr(want.linear_attn, name)), name

@@ -1,7 +1,8 @@
 """Qwen3.5-MoE under the parallelizer (issue 46, slice 2: fp32 gate units and FSDP2, data
 parallelism only): the premise that its GatedDeltaNet is the dense one's code, the fp32 gate
-holder equal to the unmodified model, FSDP2 at world 2 equal to one process (loss, every
-gradient, and the experts every token was routed to), and cp / tp refused on every rank."""
+holder and the tiled loss equal to the unmodified model, FSDP2 at world 2 (the tiled loss by
+default) equal to one process (loss, every gradient, and the experts every token was routed
+to), and cp / tp refused on every rank."""
 
 from __future__ import annotations
 
@@ -51,6 +52,28 @@ def test_the_fp32_gate_holder_on_moe_layers_equals_the_unmodified_model():
     got.loss.backward()
     assert torch.equal(got.loss, want.loss) and torch.equal(got.aux_loss, want.aux_loss)
     assert assert_grads_match(model, reference, rtol=0, atol=0) > 0
+
+
+@pytest.mark.parametrize("router_loss", [False, True])
+def test_the_tiled_loss_on_moe_equals_transformers_loss_with_the_routers_loss(router_loss):
+    """`install_tiled_loss` on `Qwen3_5MoeForCausalLM`: no logits, the same loss (the router's
+    load-balancing loss added as Transformers adds it) and gradients (fp32 rtol 1e-5: blocks
+    sum the cross entropy in another order)."""
+    from qwen35_accel.parallel.tiled_loss import install_tiled_loss
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, random_batch
+
+    reference = build_tiny_moe_causal_lm(seed=0, output_router_logits=router_loss)
+    model = copy.deepcopy(reference)
+    assert install_tiled_loss(model, tile=8)
+    batch = random_batch(2, SEQ, reference.config.vocab_size, seed=1)
+    want, got = reference(**batch), model(**batch)
+    assert got.logits is None and (got.aux_loss is None) is (not router_loss)
+    assert_close(got.loss, want.loss, "loss")
+    if router_loss:
+        assert torch.equal(got.aux_loss, want.aux_loss) and len(got.router_logits) == 3
+    want.loss.backward()
+    got.loss.backward()
+    assert assert_grads_match(model, reference) > 0
 
 
 def _routing(model: torch.nn.Module) -> tuple[list[torch.Tensor], list]:

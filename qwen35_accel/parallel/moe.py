@@ -2,9 +2,9 @@
 
 Slice 2 of the design: fp32 gate holders and dtype-uniform FSDP2 units per decoder layer
 (the router and the 3-D experts in the layer's unit), activation checkpointing and offload,
-data parallelism (FSDP2, HSDP) only. Context and tensor parallelism, and the VLM class, are
-refused on every rank with the reason until their slices land; the training loss is
-Transformers' (the router's load-balancing loss added where Transformers adds it).
+data parallelism (FSDP2, HSDP) only, the tiled loss (the router's load-balancing loss added
+where Transformers adds it). Context and tensor parallelism, and the VLM class, are refused on
+every rank with the reason until their slices land.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A training loss that never holds `[tokens, vocab]`: the lm_head and the cross entropy in blocks.
 
-`install_tiled_loss(model)` gives a `Qwen3_5ForCausalLM` or a `Qwen3_5ForConditionalGeneration`
-(the VLM: the same loss after its vision tower and mRoPE) a forward that, when autograd is
+`install_tiled_loss(model)` gives a `Qwen3_5ForCausalLM`, a `Qwen3_5ForConditionalGeneration`
+(the VLM: the same loss after its vision tower and mRoPE) or a `Qwen3_5MoeForCausalLM` (the
+router's load-balancing loss added as Transformers adds it) a forward that, when autograd is
 recording and `labels` are given (a training step), runs the backbone and computes the loss
 with `linear_cross_entropy_sum` over the labelled positions only, block by block, and returns
 `logits=None`: nothing of size tokens × vocab is made whole or kept for backward
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
 from .losses import CP_NEEDS_SHIFT_LABELS, IGNORE_INDEX, VOCAB_GROUP_ATTR, CausalLMLoss, reduce_token_loss
 from .tiled_head import DEFAULT_LOSS_MODE, LOSS_MODES, linear_cross_entropy_sum, lm_head_weights
@@ -43,6 +45,7 @@ _TILED_CLASSES: dict[type, type] = {}
 _OUTPUT_CLASSES: dict[type, type] = {
     hf.Qwen3_5ForCausalLM: hf.CausalLMOutputWithPast,
     hf.Qwen3_5ForConditionalGeneration: MultimodalCausalLMOutputWithPast,
+    hf_moe.Qwen3_5MoeForCausalLM: hf_moe.MoeCausalLMOutputWithPast,
 }
 
 
@@ -121,12 +124,26 @@ def _tiled_class(cls: type) -> type:
         labels = kwargs.pop("labels")
         kwargs.pop("logits_to_keep", None)
         return_dict = kwargs.pop("return_dict", None)
-        # As Transformers' forward: every other kwarg reaches the backbone and the loss alike.
-        outputs = self.model(**kwargs)
+        moe = isinstance(self, hf_moe.Qwen3_5MoeForCausalLM)
+        if moe:
+            router_logits = kwargs.pop("output_router_logits", None)
+            router_logits = self.config.output_router_logits if router_logits is None else router_logits
+            outputs = self.model(output_router_logits=router_logits, **kwargs)
+        else:
+            # As Transformers' forward: every other kwarg reaches the backbone and the loss alike.
+            outputs = self.model(**kwargs)
         loss = tiled_causal_lm_loss(self, outputs.last_hidden_state, labels, **kwargs)
         fields = {"cache": outputs.cache, "hidden_states": outputs.hidden_states, "attentions": outputs.attentions}
         if isinstance(self, hf.Qwen3_5ForConditionalGeneration):
             fields.update(image_outputs=outputs.image_outputs, video_outputs=outputs.video_outputs)
+        if moe:  # the router's load-balancing loss, where and as Transformers' forward adds it
+            aux_loss = None
+            if router_logits:
+                aux_loss = hf_moe.load_balancing_loss_func(
+                    outputs.router_logits, self.num_experts, self.num_experts_per_tok, kwargs.get("attention_mask")
+                )
+                loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+            fields.update(aux_loss=aux_loss, router_logits=outputs.router_logits)
         output_class = next(out for model_class, out in _OUTPUT_CLASSES.items() if isinstance(self, model_class))
         result = output_class(loss=loss, logits=None, **fields)
         return result.to_tuple() if return_dict is False else result
@@ -137,7 +154,8 @@ def _tiled_class(cls: type) -> type:
 
 
 def install_tiled_loss(model: nn.Module, *, tile: int | None = None, mode: str = DEFAULT_LOSS_MODE) -> bool:
-    """Give `model` (a `Qwen3_5ForCausalLM` or `Qwen3_5ForConditionalGeneration`, unsharded)
+    """Give `model` (a `Qwen3_5ForCausalLM`, `Qwen3_5ForConditionalGeneration` or
+    `Qwen3_5MoeForCausalLM`, unsharded)
     the tiled training loss in `mode` (`LOSS_MODES`: "recompute" or "hold", see
     `linear_cross_entropy_sum`), `tile` tokens per block (default: `tiled_blocks.block_shape`'s);
     returns False, changing nothing, for other classes. Idempotent."""

@@ -116,12 +116,11 @@ def _dp_worker(rank: int, world: int) -> None:
         assert assert_grads_match(model, reference) > 0
         ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
 
-    # Context and tensor parallelism are not built for the MoE family: refused on every rank.
-    for sizes in ((1, 1, world, 1), (1, 1, 1, world)):
-        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        with pytest.raises(NotImplementedError, match=r"data parallelism \(FSDP2/HSDP\) only so far; (context|tensor) par"):
-            PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), mesh)
+    # Tensor parallelism is not built for the MoE family: refused on every rank.
+    mesh = init_device_mesh("cpu", (1, 1, 1, world), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    with pytest.raises(NotImplementedError, match=r"\(FSDP2/HSDP, cp\) only so far; tensor parallelism \(tp 2\)"):
+        PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), mesh)
     dist.barrier()
 
 
@@ -130,8 +129,8 @@ def test_fsdp2_on_moe_equals_one_process_with_the_same_routing():
     run_world(_dp_worker, 2)
 
 
-def test_moe_under_cp_or_tp_is_left_to_accelerate_with_one_line_that_predicts_its_wrap_failure():
-    """The plugin takes a MoE model under data parallelism only; elsewhere Accelerate's path runs
+def test_moe_under_tp_is_left_to_accelerate_with_one_line_that_predicts_its_wrap_failure():
+    """The plugin takes a MoE model under data and context parallelism; under tp Accelerate's path runs
     and the line says so, and names the fsdp_config key where Accelerate's wrap policy would look
     for a class the model lacks."""
     from types import SimpleNamespace
@@ -144,14 +143,14 @@ def test_moe_under_cp_or_tp_is_left_to_accelerate_with_one_line_that_predicts_it
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_moe_causal_lm
 
     model, dense = build_tiny_moe_causal_lm(seed=0), build_tiny_causal_lm(seed=0)
-    for sizes, taken in (({}, True), ({"dp_shard_size": 2}, True), ({"cp_size": 2}, False), ({"tp_size": 2}, False)):
+    for sizes, taken in (({}, True), ({"dp_shard_size": 2}, True), ({"cp_size": 2}, True), ({"tp_size": 2}, False)):
         accelerator = SimpleNamespace(parallelism_config=ParallelismConfig(**sizes) if sizes else None)
         assert is_plugin_fsdp2_module(model, accelerator) is taken, sizes
         assert is_plugin_fsdp2_module(dense, accelerator), sizes
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=["Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"])
     note = _moe_note(plugin, model)
-    assert "under data parallelism only so far" in note
+    assert "under data and context parallelism only so far" in note
     assert "its wrap policy looks for ['Qwen3_5MoeVisionBlock'], which this model lacks" in note
     assert note.endswith("add `fsdp_transformer_layer_cls_to_wrap: Qwen3_5MoeDecoderLayer` to fsdp_config")
     plugin.transformer_cls_names_to_wrap = ["Qwen3_5MoeDecoderLayer"]
@@ -175,3 +174,48 @@ def test_a_bf16_load_of_a_moe_checkpoint_gets_its_fp32_gates_back_bitwise(tmp_pa
         for name in ("A_log", "dt_bias"):
             value = getattr(got.linear_attn, name)
             assert value.dtype == torch.float32 and torch.equal(value, getattr(want.linear_attn, name)), name
+
+
+def _cp_worker(rank: int, world: int) -> None:
+    """cp 2 against one process on whole rows: the loss with the router's load-balancing loss
+    (its sums reduced over the cp group), every gradient, each token's experts; the last row
+    right-padded (the padding mask enters the router's loss)."""
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.parallel.context_parallel.attention import ContextParallelMoeAttention
+    from qwen35_accel.parallel.context_parallel.gated_delta_net import ContextParallelMoeGatedDeltaNet
+    from qwen35_accel.parallel.context_parallel.layout import unshard_sequence
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+    from test_cp_model import _padded_batch, cp_mesh
+
+    reference = build_tiny_moe_causal_lm(seed=0, output_router_logits=True)
+    model = build_tiny_moe_causal_lm(seed=0, output_router_logits=True)
+    mesh = cp_mesh(world, world)
+    PARALLELIZER.apply(model, mesh)
+    assert type(model.model.layers[0].linear_attn) is ContextParallelMoeGatedDeltaNet
+    assert type(model.model.layers[2].self_attn) is ContextParallelMoeAttention
+    ref_routes, _ = _routing(reference)
+    routes, _ = _routing(model)
+    batch = _padded_batch(2, 32, reference.config.vocab_size, seed=7)
+    want = reference(**batch)
+    want.loss.backward()
+    got = model(**shard_batch(batch, mesh["cp"]))
+    got.loss.backward()
+    assert_close(got.aux_loss.detach(), want.aux_loss.detach(), "router loss")
+    assert_close(got.loss.detach(), want.loss.detach(), "loss")
+    assert assert_grads_match(model, reference) > 0
+    for layer, (mine, whole) in enumerate(zip(routes, ref_routes)):  # [2 · local seq, k] against [2 · 32, k]
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine.contiguous(), group=mesh["cp"].get_group())
+        local = [g.reshape(2, -1, mine.shape[-1]) for g in gathered]
+        ordered = unshard_sequence(local, world, seq_dim=1)
+        assert torch.equal(ordered.reshape(whole.shape), whole), f"layer {layer}: tokens routed to other experts under cp"
+    # Outside the tiled training loss the router's loss would be this rank's chunks': refused.
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="exact only in the tiled training loss"):
+        model(**shard_batch(batch, mesh["cp"]))
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_cp2_on_moe_equals_one_process_router_loss_and_routing_included():
+    run_world(_cp_worker, 2)

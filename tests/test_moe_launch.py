@@ -31,6 +31,7 @@ MOE = ("--model_name_or_path", "{in}", "--tokenizer_name_or_path", TOKENIZER, *F
 register(**{
     "moe/reference": recipe_run(None, "--per_device_train_batch_size", "4", *MOE, setup=save_tiny_moe),
     "moe/fsdp2": recipe_run("cpu_fsdp2.yaml", "--per_device_train_batch_size", "2", *MOE, setup=save_tiny_moe),
+    "moe/cp2": recipe_run("cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *MOE, setup=save_tiny_moe),
 })
 
 
@@ -49,3 +50,13 @@ def test_a_qwen35_moe_model_under_fsdp2_gets_fp32_gate_units_and_trains_as_one_p
     # Every expert saved whole (gathered from the shards), in the checkpoint's per-expert names.
     assert {key.split(".")[5] for key in saved if key.startswith("model.layers.0.mlp.experts.")} == set("012345")
     assert saved["model.layers.0.linear_attn.dt_bias"].dtype == torch.float32
+
+
+@runs("moe/reference", "moe/cp2")
+def test_a_qwen35_moe_model_under_cp2_trains_as_one_process(launched):
+    """cpu_fsdp2_cp2.yaml: both ranks hold the same 4 rows, each its chunks of every row (before:
+    Accelerate refused CP for the model)."""
+    run, reference = launched("moe/cp2"), launched("moe/reference")
+    lines = [line for line in run.stderr.splitlines() if PREPARED in line]
+    assert len(lines) == 1 and "Qwen3_5MoeForCausalLM prepared by qwen35_accel" in lines[0] and "cp=2" in lines[0], run.stderr
+    assert_same_training(run.out, reference.out, rtol=1e-5)

@@ -77,14 +77,13 @@ def _present_layer_classes_only(plugin: Any, model: nn.Module) -> None:
 
 
 def _moe_note(plugin: Any, model: nn.Module) -> str:
-    """One line for a Qwen3.5 MoE model the plugin leaves to Accelerate (context or tensor
-    parallelism: not built for MoE yet, `parallel.moe`): Accelerate's own path, and why it then
-    fails if it will. Not fixed here: stock Accelerate fails the same way with or without
+    """One line for a Qwen3.5 MoE model the plugin leaves to Accelerate (tensor parallelism: not
+    built for MoE yet, `parallel.moe`): Accelerate's own path, and why it then fails if it will. Not fixed here: stock Accelerate fails the same way with or without
     qwen35_accel, and the YAML key fixes it.
     """
     note = (
-        f"{type(model).__name__} is a Qwen3.5 MoE model: qwen35_accel prepares it under data parallelism only so far, so "
-        "with context or tensor parallelism Accelerate's own FSDP2 path runs (no fp32 gate units, no qwen35_accel CP/TP)"
+        f"{type(model).__name__} is a Qwen3.5 MoE model: qwen35_accel prepares it under data and context parallelism "
+        "only so far, so with tensor parallelism Accelerate's own FSDP2 path runs (no fp32 gate units, Transformers' TP)"
     )
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
@@ -359,7 +358,7 @@ def prepare_cp(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any) -> Any:
         model = the_model(args)
-        if model is not None and is_dense_qwen35_module(model):
+        if model is not None and is_plugin_fsdp2_module(model, self):
             if not self.is_fsdp2:
                 raise ValueError("context parallelism for Qwen3.5 needs FSDP2 (fsdp_version: 2 in the config)")
             # The CP layers are installed by PARALLELIZER.apply (mesh dim "cp") during the

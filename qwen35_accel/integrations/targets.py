@@ -21,19 +21,19 @@ def is_qwen35_module(model: Any) -> bool:
     return isinstance(model, nn.Module) and qwen35_family(model) is not None
 
 
-def data_parallel_only(accelerator: Any) -> bool:
-    """Accelerate's parallelism config (if any) has cp 1 and tp 1."""
+def without_tensor_parallelism(accelerator: Any) -> bool:
+    """Accelerate's parallelism config (if any) has tp 1."""
     config = getattr(accelerator, "parallelism_config", None)
-    return config is None or (getattr(config, "cp_size", 1) == 1 and getattr(config, "tp_size", 1) == 1)
+    return config is None or getattr(config, "tp_size", 1) == 1
 
 
 def is_plugin_fsdp2_module(model: Any, accelerator: Any) -> bool:
-    """A module the plugin's FSDP2 preparation takes over: a dense Qwen3.5, or a Qwen3.5-MoE
-    under data parallelism alone (`parallel.moe`: its cp and tp are not built; those keep
-    Accelerate's path, which refuses cp and runs Transformers' tp). Anything else: Accelerate's."""
+    """A module the plugin's FSDP2 preparation (and CP) takes over: a dense Qwen3.5, or a
+    Qwen3.5-MoE without tensor parallelism (`parallel.moe`: its tp is not built; that keeps
+    Accelerate's path, Transformers' tp plan). Anything else: Accelerate's."""
     if is_dense_qwen35_module(model):
         return True
-    return is_qwen35_module(model) and data_parallel_only(accelerator)
+    return is_qwen35_module(model) and without_tensor_parallelism(accelerator)
 
 
 def the_model(args: tuple[Any, ...]) -> nn.Module | None:

@@ -1,13 +1,17 @@
 """What the Qwen3.5-MoE family takes from the parallelizer so far (issue 46, docs/moe_design.md).
 
-Slice 2 of the design: fp32 gate holders and dtype-uniform FSDP2 units per decoder layer
-(the router and the 3-D experts in the layer's unit), activation checkpointing and offload,
-data parallelism (FSDP2, HSDP) only, the tiled loss (the router's load-balancing loss added
-where Transformers adds it). Context and tensor parallelism, and the VLM class, are refused on
-every rank with the reason until their slices land.
+Slices 2 and 3 of the design: fp32 gate holders and dtype-uniform FSDP2 units per decoder
+layer (the router and the 3-D experts in the layer's unit), activation checkpointing and
+offload, data parallelism (FSDP2, HSDP), context parallelism (the dense CP layers; the router's
+load-balancing loss from its three sums reduced over the cp group, `router_balance_loss`), the
+tiled loss. Tensor and expert parallelism, and the VLM class, are refused on every rank with
+the reason until their slices land.
 """
 
 from __future__ import annotations
+
+import torch
+import torch.distributed as dist
 
 from ..model.detect import Qwen35Parts
 
@@ -18,15 +22,52 @@ def check_moe_layout(parts: Qwen35Parts, *, cp_size: int, tp_size: int) -> None:
     if parts.family != "moe":
         return
     refused = []
-    if cp_size > 1:
-        refused.append(f"context parallelism (cp {cp_size})")
     if tp_size > 1:
         refused.append(f"tensor parallelism (tp {tp_size})")
     if parts.vision_model is not None:
         refused.append("the vision-language class (Qwen3_5MoeForConditionalGeneration)")
     if refused:
         raise NotImplementedError(
-            f"qwen35_accel prepares Qwen3.5-MoE models with data parallelism (FSDP2/HSDP) only so far; "
-            f"{', '.join(refused)} is not built for them yet (docs/moe_design.md). Use cp 1 and tp 1 with "
+            f"qwen35_accel prepares Qwen3.5-MoE models with data and context parallelism (FSDP2/HSDP, cp) only so "
+            f"far; {', '.join(refused)} is not built for them yet (docs/moe_design.md). Use tp 1 with "
             "Qwen3_5MoeForCausalLM, or the dense family for those layouts."
         )
+
+
+def router_balance_loss(
+    router_logits: tuple[torch.Tensor, ...],
+    num_experts: int,
+    top_k: int,
+    padding_mask: torch.Tensor | None,
+    cp_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Transformers' `load_balancing_loss_func` (Switch Transformer's auxiliary loss) over the
+    whole sequences of a cp group: `num_experts · Σ_e (tokens routed to e / N) · (Σ p_e / N)`,
+    N the real tokens of every layer. Its three sums (assignments per expert, probability per
+    expert, N) are this rank's chunks' and are summed over `cp_group` before the product, so
+    the value is one process's on whole rows; the gradient is this rank's share, scaled by
+    the group size for FSDP2's average over dp_shard × cp (as `losses.reduce_token_loss`).
+
+    `router_logits`: per MoE layer `[local tokens, num_experts]`; `padding_mask`: `[batch,
+    local seq]` (1 real, 0 padding) or None. fp32 scalar."""
+    device = router_logits[0].device
+    assigned = torch.zeros(num_experts, device=device, dtype=torch.float32)
+    probability = torch.zeros(num_experts, device=device, dtype=torch.float32)
+    rows = torch.zeros((), device=device, dtype=torch.float32)
+    weight = None if padding_mask is None else padding_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        ones = torch.ones(chosen.numel(), device=device) if weight is None else weight[:, None].expand(-1, top_k).reshape(-1)
+        assigned = assigned.scatter_add(0, chosen.reshape(-1), ones)
+        probability = probability + (probs if weight is None else probs * weight[:, None]).sum(dim=0)
+        rows = rows + (probs.shape[0] if weight is None else weight.sum())
+    if cp_group is None:
+        return num_experts * (assigned / rows * (probability / rows)).sum()
+    counts = torch.cat([assigned, rows[None]])
+    totals = torch.cat([counts, probability.detach()])
+    dist.all_reduce(totals, group=cp_group)
+    all_assigned, all_rows, all_probability = totals[:num_experts], totals[num_experts], totals[num_experts + 1 :]
+    value = num_experts * (all_assigned * all_probability).sum() / all_rows**2
+    seed = num_experts * (all_assigned * probability).sum() / all_rows**2 * dist.get_world_size(cp_group)
+    return seed + (value - seed).detach()

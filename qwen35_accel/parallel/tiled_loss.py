@@ -109,6 +109,19 @@ def tiled_causal_lm_loss(
     return reduce_token_loss(local_sum, labelled.sum(), loss_kwargs.get("num_items_in_batch"), cp_group)
 
 
+def _router_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...], attention_mask: Any) -> torch.Tensor:
+    """Transformers' load-balancing loss; under CP (the CP pre-hook hands the layers a dict of
+    masks, the padding mask under "linear_attention") its sums reduced over the cp group."""
+    loss_function = model.loss_function
+    cp_group = loss_function.cp_group if isinstance(loss_function, CausalLMLoss) else None
+    if cp_group is None:
+        return hf_moe.load_balancing_loss_func(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+    from .moe import router_balance_loss
+
+    padding = attention_mask.get("linear_attention") if isinstance(attention_mask, dict) else attention_mask
+    return router_balance_loss(router_logits, model.num_experts, model.num_experts_per_tok, padding, cp_group)
+
+
 def _tiled_class(cls: type) -> type:
     """`cls` with the tiled-loss forward (one subclass per class, named as `cls`)."""
     if cls in _TILED_CLASSES:
@@ -139,9 +152,7 @@ def _tiled_class(cls: type) -> type:
         if moe:  # the router's load-balancing loss, where and as Transformers' forward adds it
             aux_loss = None
             if router_logits:
-                aux_loss = hf_moe.load_balancing_loss_func(
-                    outputs.router_logits, self.num_experts, self.num_experts_per_tok, kwargs.get("attention_mask")
-                )
+                aux_loss = _router_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
                 loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
             fields.update(aux_loss=aux_loss, router_logits=outputs.router_logits)
         output_class = next(out for model_class, out in _OUTPUT_CLASSES.items() if isinstance(self, model_class))

@@ -19,6 +19,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
 from ..collectives import all_gather_with_grad
 from .documents import DOCUMENTS_KWARG, ShardedDocuments
@@ -226,3 +227,8 @@ class ContextParallelAttention(hf.Qwen3_5Attention):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = attn_output * torch.sigmoid(gate)
         return self.o_proj(attn_output), None
+
+
+class ContextParallelMoeAttention(ContextParallelAttention, hf_moe.Qwen3_5MoeAttention):
+    """The MoE family's attention under context parallelism: `ContextParallelAttention`'s code
+    (Transformers' MoE attention is the dense source with the names mapped, `tests/test_moe.py`)."""

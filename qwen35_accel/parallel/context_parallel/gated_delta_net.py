@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...model.fp32_gate import Fp32GateGatedDeltaNet
+from ...model.fp32_gate import Fp32GateGatedDeltaNet, Fp32GateMoeGatedDeltaNet
 from ...ops.causal_conv import ConvKernel, fla_conv_kernel, select_conv_kernel, torch_conv_kernel
 from ...ops.documents import per_document_with_state
 from ...ops.gated_delta import Kernel, chunk_summary, read_state, select_kernel
@@ -226,3 +226,8 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
             query, key, value, g, beta, group=self._cp_group, documents=kwargs.get(DOCUMENTS_KWARG),
             exchange=self.state_exchange, kernel=self.cp_kernel,
         )
+
+
+class ContextParallelMoeGatedDeltaNet(ContextParallelGatedDeltaNet, Fp32GateMoeGatedDeltaNet):
+    """The MoE family's GatedDeltaNet under context parallelism: `ContextParallelGatedDeltaNet`'s
+    code (the families' layers are one source, `Fp32GateMoeGatedDeltaNet`), the MoE class kept."""

@@ -19,17 +19,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
-from ...model.detect import qwen35_parts
-from ...model.fp32_gate import Fp32GateGatedDeltaNet
+from ...model.detect import FAMILIES, qwen35_parts
+from ...model.fp32_gate import GATED_DELTA_NET_CLASSES, Fp32GateGatedDeltaNet
 from ...model.hub_kernels import swap_class
 from ...model.packing import SEQUENCE_SHARDED_ATTR, document_layout, text_positions
 from ...ops.causal_conv import fla_conv_kernel, select_conv_kernel
 from ..collectives import all_gather_flat
 from ..losses import VOCAB_GROUP_ATTR, CausalLMLoss
-from .attention import SUPPORTED_ATTENTION, ContextParallelAttention
+from .attention import SUPPORTED_ATTENTION, ContextParallelAttention, ContextParallelMoeAttention
 from .documents import DOCUMENTS_KWARG, ShardedDocuments, shard_documents
-from .gated_delta_net import ContextParallelGatedDeltaNet
+from .gated_delta_net import ContextParallelGatedDeltaNet, ContextParallelMoeGatedDeltaNet
 from .layout import chunk_owner, unshard_sequence
 from .state_exchange import EXCHANGES
 from .vision import install_context_parallel_vision
@@ -108,6 +109,7 @@ def _check_inputs(
             raise NotImplementedError("a cache (generation) is not supported under context parallelism.")
     # A cache made here would hold only this rank's chunks.
     kwargs["use_cache"] = False
+    _check_router_loss(module, args, kwargs)
     tokens = kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
@@ -164,6 +166,26 @@ def _check_inputs(
     return args, kwargs
 
 
+def _check_router_loss(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A MoE forward whose router's load-balancing loss Transformers would compute from this
+    rank's chunks alone (anything but the tiled training loss, which reduces its sums over
+    the cp group) is refused: its value would differ on every rank and from one process."""
+    requested = kwargs.get("output_router_logits")
+    if requested is None:
+        requested = getattr(module.config, "output_router_logits", False)
+    if not requested:
+        return
+    from ..tiled_loss import _tiled_loss_applies
+
+    if not _tiled_loss_applies(module, args, kwargs):
+        raise NotImplementedError(
+            "under context parallelism a Qwen3.5-MoE router's load-balancing loss (output_router_logits) is exact "
+            "only in the tiled training loss (labels given, autograd recording, QWEN35_ACCEL_TILED_LOSS not off); "
+            "this forward would compute it from this rank's chunks. Pass output_router_logits=False to evaluation "
+            "and generation forwards, or set it in the config only for training."
+        )
+
+
 def check_context_parallel_supported(model: nn.Module) -> None:
     """Raise NotImplementedError if `model`'s attention implementation cannot run under CP."""
     config = getattr(model.config, "text_config", model.config)
@@ -176,7 +198,8 @@ def check_context_parallel_supported(model: nn.Module) -> None:
 
 
 def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, state_exchange: str = "auto") -> int:
-    """Put a dense Qwen3.5 model's text decoder under context parallelism over `cp_mesh`.
+    """Put a Qwen3.5 model's text decoder (dense, or MoE: its causal LM) under context
+    parallelism over `cp_mesh`.
 
     Preconditions: fp32 gate holders installed (`install_fp32_gate`); attention
     implementation in `SUPPORTED_ATTENTION`. Works before or after FSDP2 sharding.
@@ -187,21 +210,22 @@ def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, state_exc
     inputs CP cannot handle exactly; a VLM's images and videos are encoded with the tower's
     work split over the cp ranks (`install_context_parallel_vision`).
     """
-    parts = qwen35_parts(model)
+    parts = qwen35_parts(model, families=FAMILIES)
     check_context_parallel_supported(model)
+    moe = parts.family == "moe"
     if state_exchange not in EXCHANGES:
         raise ValueError(f"state_exchange={state_exchange!r}: expected one of {list(EXCHANGES)}")
     group = cp_mesh.get_group()
     converted = 0
     for layer in parts.decoder_layers:
         for module in layer.modules():
-            if isinstance(module, hf.Qwen3_5GatedDeltaNet):
+            if isinstance(module, GATED_DELTA_NET_CLASSES):
                 if not isinstance(module, Fp32GateGatedDeltaNet):
                     raise ValueError("install_fp32_gate must run before install_context_parallel")
-                swap_class(module, ContextParallelGatedDeltaNet)
+                swap_class(module, ContextParallelMoeGatedDeltaNet if moe else ContextParallelGatedDeltaNet)
                 module.state_exchange = state_exchange
-            elif isinstance(module, hf.Qwen3_5Attention):
-                swap_class(module, ContextParallelAttention)
+            elif isinstance(module, (hf.Qwen3_5Attention, hf_moe.Qwen3_5MoeAttention)):
+                swap_class(module, ContextParallelMoeAttention if moe else ContextParallelAttention)
             else:
                 continue
             module._cp_group = group
@@ -240,7 +264,7 @@ def context_parallel_paused(model: nn.Module) -> Iterator[bool]:
         return
     layers = [m for m in model.modules() if "_cp_group" in m.__dict__]
     groups = [m.__dict__.pop("_cp_group") for m in layers]  # the class default: None, the stock layer
-    texts = [qwen35_parts(holder).text_model for holder in holders]
+    texts = [qwen35_parts(holder, families=FAMILIES).text_model for holder in holders]
     for holder, text in zip(holders, texts):
         holder.__dict__[CP_PAUSED_ATTR] = True
         text.__dict__[SEQUENCE_SHARDED_ATTR] = False

@@ -291,3 +291,20 @@ def _collectives_worker(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_vocab_parallel_heads_make_one_collective_per_call_and_pass():
     run_world(_collectives_worker, 2)
+
+
+@pytest.mark.parametrize("head", ["recompute", "hold", "token_stats"])
+def test_no_labelled_token_gives_zero_gradients_in_bf16(head):
+    """A rank whose rows hold no label (all -100 in its chunks) passes zero tokens: the loss is
+    0 and every gradient exactly 0, in bf16 too (where the weight's gradient is written block
+    by block, not accumulated into zeros)."""
+    hidden = torch.randn(0, H).bfloat16().requires_grad_()
+    weight = torch.randn(V, H).bfloat16().requires_grad_()
+    targets = torch.zeros(0, dtype=torch.long)
+    if head == "token_stats":
+        loss = -linear_token_stats(hidden, weight, None, targets, vocab_tile=20).log_probs.sum()
+    else:
+        loss = linear_cross_entropy_sum(hidden, weight, None, targets, vocab_tile=20, mode=head)
+    loss.backward()
+    assert loss.item() == 0 and hidden.grad.shape == (0, H)
+    assert torch.equal(weight.grad, torch.zeros_like(weight))

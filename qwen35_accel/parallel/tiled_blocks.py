@@ -192,7 +192,8 @@ def gradient_pass(
     then both gradients from `block_grad`'s output cast to `dtype`). `hidden` in `dtype`."""
     n, (token_rows, vocab_rows) = hidden.shape[0], block
     grad_h = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if needs[0] else None
-    grad_w = torch.empty_like(weight) if needs[1] else None
+    # No tokens (a rank whose rows hold no label): no block writes the weight's gradient.
+    grad_w = (torch.zeros_like(weight) if n == 0 else torch.empty_like(weight)) if needs[1] else None
     grad_b = torch.empty_like(bias) if needs[2] and bias is not None else None
     one_chunk = n <= token_rows
     for v0 in range(0, weight.shape[0], vocab_rows):

@@ -17,7 +17,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
 from _dist import run_world
-from _parity import assert_close, assert_grads_match
+from _parity import assert_close, assert_grads_match, documents_alone
 
 BATCH_PER_RANK, SEQ, STEPS = 2, 24, 2
 
@@ -73,6 +73,27 @@ def test_the_tiled_loss_on_moe_equals_transformers_loss_with_the_routers_loss(ro
         assert torch.equal(got.aux_loss, want.aux_loss) and len(got.router_logits) == 3
     want.loss.backward()
     got.loss.backward()
+    assert assert_grads_match(model, reference) > 0
+
+
+# Documents of every length the conv window and the chunked rule distinguish (as test_packing).
+PACKED = [70, 24, 3, 1, 40]
+
+
+def test_every_document_of_a_packed_moe_row_equals_the_document_alone():
+    from qwen35_accel.model.fp32_gate import install_fp32_gate
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, packed_documents
+
+    reference = build_tiny_moe_causal_lm(seed=0)
+    model = copy.deepcopy(reference)
+    install_fp32_gate(model)
+    batch, documents = packed_documents(PACKED, reference.config.vocab_size, seed=1)
+    got = model(**batch)
+    want_logits, want_loss = documents_alone(reference, documents)
+    assert_close(got.logits, want_logits, "logits")
+    assert_close(got.loss, want_loss, "loss")
+    got.loss.backward()
+    want_loss.backward()
     assert assert_grads_match(model, reference) > 0
 
 
@@ -210,6 +231,18 @@ def _cp_worker(rank: int, world: int) -> None:
         local = [g.reshape(2, -1, mine.shape[-1]) for g in gathered]
         ordered = unshard_sequence(local, world, seq_dim=1)
         assert torch.equal(ordered.reshape(whole.shape), whole), f"layer {layer}: tokens routed to other experts under cp"
+    # Packed rows under cp 2 (the router's loss off: one process computes it over the whole row,
+    # its documents alone cannot): every document as if alone.
+    from qwen35_accel.testing.tiny import packed_documents
+
+    model.zero_grad(), reference.zero_grad()
+    packed, documents = packed_documents(PACKED, reference.config.vocab_size, seed=3)
+    _, want_loss = documents_alone(reference, documents)
+    want_loss.backward()
+    got = model(**shard_batch(packed, mesh["cp"]), output_router_logits=False)
+    got.loss.backward()
+    assert_close(got.loss.detach(), want_loss.detach(), "packed rows: loss")
+    assert assert_grads_match(model, reference) > 0
     # Outside the tiled training loss the router's loss would be this rank's chunks': refused.
     with torch.no_grad(), pytest.raises(NotImplementedError, match="exact only in the tiled training loss"):
         model(**shard_batch(batch, mesh["cp"]))

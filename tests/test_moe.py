@@ -252,3 +252,34 @@ def _cp_worker(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_cp2_on_moe_equals_one_process_router_loss_and_routing_included():
     run_world(_cp_worker, 2)
+
+
+def test_accelerate_in_one_process_holds_a_bf16_loaded_moes_gates_in_fp32(tmp_path, capfd):
+    """Without FSDP (one process; DDP takes the same patch point) Accelerate's `prepare` gives a
+    bf16-loaded MoE model the fp32 holders with the checkpoint's values, trained in fp32."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM
+
+    from qwen35_accel import install
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, random_batch
+
+    install()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    saved = build_tiny_moe_causal_lm(seed=1)
+    saved.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    try:
+        model, optimizer = accelerator.prepare(model, optimizer)
+        assert "Qwen3_5MoeForCausalLM prepared by qwen35_accel without FSDP (one process)" in capfd.readouterr().err
+        gates = {name: p for name, p in model.named_parameters() if name.endswith((".A_log", ".dt_bias"))}
+        want = {name: p for name, p in saved.named_parameters() if name in gates}
+        assert len(gates) == len(want) == 4
+        for name, value in gates.items():
+            assert value.dtype == torch.float32 and torch.equal(value.detach(), want[name].detach()), name
+        accelerator.backward(model(**random_batch(2, 16, model.config.vocab_size, seed=0)).loss)
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in gates.values())
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -283,3 +283,64 @@ def test_accelerate_in_one_process_holds_a_bf16_loaded_moes_gates_in_fp32(tmp_pa
         assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in gates.values())
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+
+@pytest.mark.parametrize("router_loss", [False, True])
+def test_the_moe_vlms_tiled_loss_with_images_equals_transformers(router_loss):
+    from qwen35_accel.model.fp32_gate import install_fp32_gate
+    from qwen35_accel.parallel.tiled_loss import install_tiled_loss
+    from qwen35_accel.testing.tiny import build_tiny_moe_vlm, random_vlm_batch
+
+    reference = build_tiny_moe_vlm(seed=0, output_router_logits=router_loss)
+    model = copy.deepcopy(reference)
+    assert install_fp32_gate(model) == 2 and install_tiled_loss(model, tile=8)
+    batch = random_vlm_batch(reference.config, 2, 40, seed=0)
+    want, got = reference(**batch), model(**batch)
+    assert got.logits is None and got.image_outputs is not None
+    assert_close(got.loss, want.loss, "loss")
+    if router_loss:
+        assert torch.equal(got.aux_loss, want.aux_loss)
+    want.loss.backward()
+    got.loss.backward()
+    assert assert_grads_match(model, reference) > 0
+
+
+def _vlm_worker(rank: int, world: int) -> None:
+    """The MoE VLM with images and a trainable tower: dp 2 (each rank its rows), then cp 2 (every
+    rank its chunks of the same rows, the tower's work split), against one process: loss with
+    the router's loss, every gradient."""
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.testing.tiny import build_tiny_moe_vlm, placed_vlm_batch
+    from test_fsdp_parity import accelerate_style_mesh
+    from test_vlm_cp import FULL, ONE, SEQ, _mesh
+
+    config = build_tiny_moe_vlm(seed=0).config
+    rows = [placed_vlm_batch(config, layout, SEQ, seed=300 + r, padding=padding) for r, (layout, padding) in enumerate((FULL, ONE))]
+    for layout in ("dp", "cp"):
+        reference = build_tiny_moe_vlm(seed=0, output_router_logits=True)
+        model = build_tiny_moe_vlm(seed=0, output_router_logits=True)
+        if layout == "dp":
+            mesh = accelerate_style_mesh(world)
+            PARALLELIZER.apply(model, mesh)
+            parts = [reference(**batch).loss for batch in rows]  # the router's loss: each rank's rows
+            (sum(parts) / world).backward()
+            got = model(**rows[rank])
+            want = parts[rank]
+        else:
+            mesh = _mesh(world)
+            PARALLELIZER.apply(model, mesh)
+            want = reference(**rows[0])
+            want.loss.backward()
+            want = want.loss
+            got = model(**shard_batch(rows[0], mesh["cp"]))
+        got.loss.backward()
+        assert_close(got.loss.detach(), want.detach(), f"{layout}: loss")
+        assert assert_grads_match(model, reference) > 0
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_the_moe_vlm_with_images_under_dp2_and_cp2_equals_one_process():
+    run_world(_vlm_worker, 2)

@@ -17,7 +17,7 @@ from torch import nn
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
-from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
 
 
 def tiny_text_config(*, tie_word_embeddings: bool = False, num_hidden_layers: int = 3, **overrides: Any) -> Qwen3_5TextConfig:
@@ -91,6 +91,21 @@ def tiny_moe_text_config(*, num_hidden_layers: int = 3, **overrides: Any) -> Qwe
     return config
 
 
+def tiny_moe_vlm_config(**text_overrides: Any) -> Qwen3_5MoeConfig:
+    """`tiny_vlm_config`'s vision tower and tokens around `tiny_moe_text_config`."""
+    dense = tiny_vlm_config()
+    config = Qwen3_5MoeConfig(
+        text_config=tiny_moe_text_config(**text_overrides).to_dict(),
+        vision_config=dense.vision_config.to_dict(),
+        **{key: getattr(dense, key) for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")},
+        tie_word_embeddings=False,
+    )
+    for sub in (config, config.text_config, config.vision_config):
+        sub._attn_implementation = "sdpa"
+    config.text_config._experts_implementation = "eager"
+    return config
+
+
 @torch.no_grad()
 def randomize_for_parity(model: nn.Module, seed: int) -> nn.Module:
     """Deterministically re-initialise `model` (in place) so parallel bugs show.
@@ -135,5 +150,13 @@ def build_tiny_moe_causal_lm(seed: int = 0, *, dtype: torch.dtype = torch.float3
     """Unmodified Transformers `Qwen3_5MoeForCausalLM` (`tiny_moe_text_config`), same weights per seed."""
     torch.manual_seed(seed)
     model = hf_moe.Qwen3_5MoeForCausalLM(tiny_moe_text_config(**config_overrides))
+    randomize_for_parity(model, seed)
+    return model.to(dtype)
+
+
+def build_tiny_moe_vlm(seed: int = 0, *, dtype: torch.dtype = torch.float32, **text_overrides: Any) -> hf_moe.Qwen3_5MoeForConditionalGeneration:
+    """Unmodified Transformers `Qwen3_5MoeForConditionalGeneration` (`tiny_moe_vlm_config`), same weights per seed."""
+    torch.manual_seed(seed)
+    model = hf_moe.Qwen3_5MoeForConditionalGeneration(tiny_moe_vlm_config(**text_overrides))
     randomize_for_parity(model, seed)
     return model.to(dtype)

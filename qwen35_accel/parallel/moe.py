@@ -4,8 +4,8 @@ Slices 2 and 3 of the design: fp32 gate holders and dtype-uniform FSDP2 units pe
 layer (the router and the 3-D experts in the layer's unit), activation checkpointing and
 offload, data parallelism (FSDP2, HSDP), context parallelism (the dense CP layers; the router's
 load-balancing loss from its three sums reduced over the cp group, `router_balance_loss`), the
-tiled loss. Tensor and expert parallelism, and the VLM class, are refused on every rank with
-the reason until their slices land.
+tiled loss; the causal LM and the VLM class alike. Tensor and expert parallelism are refused
+on every rank with the reason until their slices land.
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ def check_moe_layout(parts: Qwen35Parts, *, cp_size: int, tp_size: int) -> None:
     refused = []
     if tp_size > 1:
         refused.append(f"tensor parallelism (tp {tp_size})")
-    if parts.vision_model is not None:
-        refused.append("the vision-language class (Qwen3_5MoeForConditionalGeneration)")
     if refused:
         raise NotImplementedError(
             f"qwen35_accel prepares Qwen3.5-MoE models with data and context parallelism (FSDP2/HSDP, cp) only so "
             f"far; {', '.join(refused)} is not built for them yet (docs/moe_design.md). Use tp 1 with "
-            "Qwen3_5MoeForCausalLM, or the dense family for those layouts."
+            "the MoE family, or the dense family for tensor parallelism."
         )
 
 

@@ -46,7 +46,10 @@ _OUTPUT_CLASSES: dict[type, type] = {
     hf.Qwen3_5ForCausalLM: hf.CausalLMOutputWithPast,
     hf.Qwen3_5ForConditionalGeneration: MultimodalCausalLMOutputWithPast,
     hf_moe.Qwen3_5MoeForCausalLM: hf_moe.MoeCausalLMOutputWithPast,
+    hf_moe.Qwen3_5MoeForConditionalGeneration: hf_moe.Qwen3_5MoeCausalLMOutputWithPast,
 }
+_VLM_CLASSES = (hf.Qwen3_5ForConditionalGeneration, hf_moe.Qwen3_5MoeForConditionalGeneration)
+_MOE_CLASSES = (hf_moe.Qwen3_5MoeForCausalLM, hf_moe.Qwen3_5MoeForConditionalGeneration)
 
 
 def uses_tiled_loss(model: nn.Module) -> bool:
@@ -114,12 +117,13 @@ def _router_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...], atte
     masks, the padding mask under "linear_attention") its sums reduced over the cp group."""
     loss_function = model.loss_function
     cp_group = loss_function.cp_group if isinstance(loss_function, CausalLMLoss) else None
+    text = model.config.get_text_config()
     if cp_group is None:
-        return hf_moe.load_balancing_loss_func(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+        return hf_moe.load_balancing_loss_func(router_logits, text.num_experts, text.num_experts_per_tok, attention_mask)
     from .moe import router_balance_loss
 
     padding = attention_mask.get("linear_attention") if isinstance(attention_mask, dict) else attention_mask
-    return router_balance_loss(router_logits, model.num_experts, model.num_experts_per_tok, padding, cp_group)
+    return router_balance_loss(router_logits, text.num_experts, text.num_experts_per_tok, padding, cp_group)
 
 
 def _tiled_class(cls: type) -> type:
@@ -137,23 +141,23 @@ def _tiled_class(cls: type) -> type:
         labels = kwargs.pop("labels")
         kwargs.pop("logits_to_keep", None)
         return_dict = kwargs.pop("return_dict", None)
-        moe = isinstance(self, hf_moe.Qwen3_5MoeForCausalLM)
+        moe = isinstance(self, _MOE_CLASSES)
         if moe:
             router_logits = kwargs.pop("output_router_logits", None)
-            router_logits = self.config.output_router_logits if router_logits is None else router_logits
+            router_logits = self.config.get_text_config().output_router_logits if router_logits is None else router_logits
             outputs = self.model(output_router_logits=router_logits, **kwargs)
         else:
             # As Transformers' forward: every other kwarg reaches the backbone and the loss alike.
             outputs = self.model(**kwargs)
         loss = tiled_causal_lm_loss(self, outputs.last_hidden_state, labels, **kwargs)
         fields = {"cache": outputs.cache, "hidden_states": outputs.hidden_states, "attentions": outputs.attentions}
-        if isinstance(self, hf.Qwen3_5ForConditionalGeneration):
+        if isinstance(self, _VLM_CLASSES):
             fields.update(image_outputs=outputs.image_outputs, video_outputs=outputs.video_outputs)
         if moe:  # the router's load-balancing loss, where and as Transformers' forward adds it
             aux_loss = None
             if router_logits:
                 aux_loss = _router_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
-                loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+                loss = loss + self.config.get_text_config().router_aux_loss_coef * aux_loss.to(loss.device)
             fields.update(aux_loss=aux_loss, router_logits=outputs.router_logits)
         output_class = next(out for model_class, out in _OUTPUT_CLASSES.items() if isinstance(self, model_class))
         result = output_class(loss=loss, logits=None, **fields)

@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
 from ..model.detect import unwrap_qwen35
 
@@ -66,10 +67,13 @@ def placeholder_image(vision_config: Any, device: torch.device | str) -> tuple[t
 
 
 def _inner_vlm(model: nn.Module) -> hf.Qwen3_5Model:
+    """The VLM's inner model (`Qwen3_5Model`, or the MoE family's `Qwen3_5MoeModel`: the same
+    vision tower and multimodal forward)."""
     model = unwrap_qwen35(model)
-    inner = model.model if isinstance(model, hf.Qwen3_5ForConditionalGeneration) else model
-    if not isinstance(inner, hf.Qwen3_5Model):
-        raise TypeError(f"expected a Qwen3_5ForConditionalGeneration or Qwen3_5Model; got {type(model).__name__}")
+    conditional = (hf.Qwen3_5ForConditionalGeneration, hf_moe.Qwen3_5MoeForConditionalGeneration)
+    inner = model.model if isinstance(model, conditional) else model
+    if not isinstance(inner, (hf.Qwen3_5Model, hf_moe.Qwen3_5MoeModel)):
+        raise TypeError(f"expected a Qwen3_5ForConditionalGeneration or Qwen3_5Model (or the MoE family's); got {type(model).__name__}")
     return inner
 
 

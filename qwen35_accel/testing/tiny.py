@@ -12,9 +12,11 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
 from ..model.tiny import (
     build_tiny_causal_lm,
     build_tiny_moe_causal_lm,
+    build_tiny_moe_vlm,
     build_tiny_vlm,
     randomize_for_parity,
     tiny_moe_text_config,
+    tiny_moe_vlm_config,
     tiny_text_config,
     tiny_vlm_config,
 )
@@ -22,6 +24,7 @@ from ..model.tiny import (
 __all__ = [
     "build_tiny_causal_lm",
     "build_tiny_moe_causal_lm",
+    "build_tiny_moe_vlm",
     "build_tiny_vlm",
     "concat_vlm_batches",
     "mixed_vlm_batch",
@@ -31,6 +34,7 @@ __all__ = [
     "random_vlm_batch",
     "randomize_for_parity",
     "tiny_moe_text_config",
+    "tiny_moe_vlm_config",
     "tiny_text_config",
     "tiny_vlm_config",
 ]

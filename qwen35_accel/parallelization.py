@@ -36,7 +36,7 @@ from .parallel.fsdp import (
     unit_record,
 )
 from .parallel.mesh import ParallelDims, mesh_device, mesh_dim_names, mesh_dim_size
-from .parallel.moe import check_moe_layout
+from .parallel.moe import BALANCE_CHOICES, check_moe_layout, install_global_balance
 from .parallel.tiled_loss import install_tiled_loss, tiled_loss_choice, tiled_loss_mode
 from .parallel.tensor_parallel import (
     apply_tensor_parallel,
@@ -91,6 +91,7 @@ class Qwen3_5ModelParallelizer:
         vocab_parallel_lm_head: bool = False,
         cp_state_exchange: str = "auto",
         tiled_loss: bool | str = "recompute",
+        moe_balance: str = "rank",
     ) -> nn.Module:
         """Parallelize `model` over `device_mesh` and return it (the same object).
 
@@ -119,9 +120,13 @@ class Qwen3_5ModelParallelizer:
         states and recomputes the blocks in backward; "hold" holds the gradients, a
         weight-sized one among them, from forward); other forwards keep Transformers' logits.
         "off" (or False): Transformers' loss.
+        `moe_balance` (Qwen3.5-MoE, `output_router_logits`): "rank" — the router's
+        load-balancing loss over each data-parallel rank's tokens (Transformers' meaning; whole
+        rows under cp); "global" — over the global batch (its sums all-reduced over dp_shard ×
+        cp, in the tiled training loss; not with HSDP). Dense models ignore it.
 
         Preconditions: `torch.distributed` is initialised; `model` is a Qwen3.5 model, dense or
-        MoE (the MoE family: data parallelism only so far, `parallel.moe`; TypeError otherwise),
+        MoE (the MoE family: no tensor parallelism yet, `parallel.moe`; TypeError otherwise),
         possibly inside a PEFT LoRA wrapper, not yet sharded; `device_mesh` has a dim (own or
         flattened) named `dp_shard_cp_mesh_name` (ValueError otherwise). The
         `dp_replicate`, `cp` and `tp` dims are optional (absent = size 1); a replicate
@@ -136,6 +141,7 @@ class Qwen3_5ModelParallelizer:
         _check_choice("frozen_multimodal_sharding", frozen_multimodal_sharding, FROZEN_MULTIMODAL_SHARDING_CHOICES)
         _check_choice("fp32_holder_units", fp32_holder_units, FP32_HOLDER_UNITS_CHOICES)
         _check_choice("cp_state_exchange", cp_state_exchange, EXCHANGES)
+        _check_choice("moe_balance", moe_balance, BALANCE_CHOICES)
         tiled_loss = tiled_loss_choice(tiled_loss)
         dims = ParallelDims(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, cp_mesh_name, tp_mesh_name)
         tp_size, cp_size = dims.tp_size, dims.cp_size
@@ -181,6 +187,8 @@ class Qwen3_5ModelParallelizer:
             install_vision_placeholder(base)
         if dims.cp is not None:
             install_context_parallel(base, dims.cp, state_exchange=cp_state_exchange)
+        if moe_balance == "global" and parts.family == "moe":  # dense models have no router
+            install_global_balance(base, fsdp_mesh, dp_replicate=dims.dp_replicate)
         logger.info(
             "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s, "
             "cp: %d, tp: %d, tiled loss: %s)",

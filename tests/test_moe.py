@@ -344,3 +344,39 @@ def _vlm_worker(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_the_moe_vlm_with_images_under_dp2_and_cp2_equals_one_process():
     run_world(_vlm_worker, 2)
+
+
+
+def _global_balance_worker(rank: int, world: int) -> None:
+    """moe_balance="global" under dp 2: the router's loss counts the global batch, so every
+    gradient and the ranks' mean loss equal one process on the whole batch (the cross entropy's
+    rank means average to the global mean: equal token counts); "rank" would not (its router
+    loss is each rank's rows', the comparison `_dp_worker` makes)."""
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_moe_causal_lm, random_batch
+    from test_fsdp_parity import accelerate_style_mesh
+
+    reference = build_tiny_moe_causal_lm(seed=0, output_router_logits=True, router_aux_loss_coef=0.5)
+    model = build_tiny_moe_causal_lm(seed=0, output_router_logits=True, router_aux_loss_coef=0.5)
+    PARALLELIZER.apply(model, accelerate_style_mesh(world), moe_balance="global")
+    batch = random_batch(BATCH_PER_RANK * world, SEQ, reference.config.vocab_size, seed=5)
+    want = reference(**batch)
+    want.loss.backward()
+    got = model(**{k: v[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK] for k, v in batch.items()})
+    got.loss.backward()
+    assert_close(got.aux_loss.detach(), want.aux_loss.detach(), "router loss over the global batch")
+    mean = got.loss.detach().clone()
+    dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+    assert_close(mean, want.loss.detach(), "mean loss")
+    assert assert_grads_match(model, reference) > 0
+    # Dense models have no router: the option changes nothing there.
+    dense = PARALLELIZER.apply(build_tiny_causal_lm(seed=0), accelerate_style_mesh(world), moe_balance="global")
+    assert not hasattr(dense, "_qwen35_moe_balance_group")
+    with pytest.raises(ValueError, match="moe_balance"):
+        PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), accelerate_style_mesh(world), moe_balance="batch")
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_a_global_router_balance_under_dp2_equals_one_process_on_the_whole_batch():
+    run_world(_global_balance_worker, 2)

@@ -73,6 +73,12 @@ class PluginSettings:
         "included; under cp > 1 each cp rank generates 1/cp of its group's rows, gathered after; other completions "
         "than replicated's, the same with and without cp)",
     )
+    moe_balance: str = _knob(
+        "rank",
+        "Qwen3.5-MoE's router load-balancing loss (output_router_logits): rank counts each data-parallel rank's "
+        "tokens (Transformers' meaning; whole rows under cp); global counts the global batch (its sums all-reduced "
+        "over dp_shard x cp in the tiled training loss, Qwen's recipe; not with HSDP)",
+    )
     fp32_gates: bool = _knob(
         True,
         "without FSDP (one process, DDP): hold each GatedDeltaNet's A_log/dt_bias in an fp32 holder at prepare, "
@@ -108,6 +114,7 @@ class PluginSettings:
             frozen_multimodal_sharding=self.frozen_multimodal_sharding,
             fp32_holder_units=self.fp32_holder_units,
             tiled_loss=self.tiled_loss,
+            moe_balance=self.moe_balance,
         )
 
     @staticmethod
@@ -185,6 +192,7 @@ _CHOICES = {
     "tiled_loss": ("off", "recompute", "hold"),
     "rl_generation": ("replicated", "split"),
     "distributed_config": ("plugin", "check", "stock"),
+    "moe_balance": ("rank", "global"),
 }
 # Choice knobs that were booleans: their boolean spellings still work (true: the first choice after "off").
 _FORMERLY_BOOLEAN = {"tiled_loss": {True: "recompute", False: "off"}}

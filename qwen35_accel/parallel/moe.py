@@ -10,10 +10,18 @@ on every rank with the reason until their slices land.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from ..model.detect import Qwen35Parts
+
+# How the router's load-balancing loss counts tokens: "rank" — each data-parallel rank's own
+# (Transformers' meaning; whole rows under cp), "global" — every data-parallel rank's (the
+# global batch, Qwen's recipe): its sums all-reduced over dp_shard × cp.
+BALANCE_CHOICES: tuple[str, ...] = ("rank", "global")
+BALANCE_GROUP_ATTR = "_qwen35_moe_balance_group"  # on the model: the group "global" reduces over
 
 
 def check_moe_layout(parts: Qwen35Parts, *, cp_size: int, tp_size: int) -> None:
@@ -32,6 +40,17 @@ def check_moe_layout(parts: Qwen35Parts, *, cp_size: int, tp_size: int) -> None:
         )
 
 
+def install_global_balance(model: torch.nn.Module, fsdp_mesh: Any, *, dp_replicate: int) -> None:
+    """Make `model`'s router loss count the tokens of every rank of `fsdp_mesh` (dp_shard × cp,
+    a 1-D mesh); refused with HSDP (`dp_replicate` > 1: a 2-D mesh, not built)."""
+    if dp_replicate > 1:
+        raise NotImplementedError(
+            f"moe_balance='global' with HSDP (dp_replicate {dp_replicate}) is not built: the router's sums would cover "
+            "one replica's ranks only. Use moe_balance='rank', or FSDP2 without replication."
+        )
+    setattr(model, BALANCE_GROUP_ATTR, fsdp_mesh.get_group())
+
+
 def router_balance_loss(
     router_logits: tuple[torch.Tensor, ...],
     num_experts: int,
@@ -40,11 +59,12 @@ def router_balance_loss(
     cp_group: dist.ProcessGroup | None,
 ) -> torch.Tensor:
     """Transformers' `load_balancing_loss_func` (Switch Transformer's auxiliary loss) over the
-    whole sequences of a cp group: `num_experts · Σ_e (tokens routed to e / N) · (Σ p_e / N)`,
-    N the real tokens of every layer. Its three sums (assignments per expert, probability per
-    expert, N) are this rank's chunks' and are summed over `cp_group` before the product, so
-    the value is one process's on whole rows; the gradient is this rank's share, scaled by
-    the group size for FSDP2's average over dp_shard × cp (as `losses.reduce_token_loss`).
+    tokens of a group: `num_experts · Σ_e (tokens routed to e / N) · (Σ p_e / N)`, N the real
+    tokens of every layer. Its three sums (assignments per expert, probability per expert, N)
+    are this rank's tokens' and are summed over `cp_group` (the cp group: whole rows; or every
+    rank of dp_shard × cp: the global batch) before the product, so the value is one process's
+    on those tokens; the gradient is this rank's share, scaled by the group size for FSDP2's
+    average over dp_shard × cp (as `losses.reduce_token_loss`).
 
     `router_logits`: per MoE layer `[local tokens, num_experts]`; `padding_mask`: `[batch,
     local seq]` (1 real, 0 padding) or None. fp32 scalar."""

@@ -114,9 +114,13 @@ def tiled_causal_lm_loss(
 
 def _router_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...], attention_mask: Any) -> torch.Tensor:
     """Transformers' load-balancing loss; under CP (the CP pre-hook hands the layers a dict of
-    masks, the padding mask under "linear_attention") its sums reduced over the cp group."""
+    masks, the padding mask under "linear_attention") its sums reduced over the cp group, with
+    `moe_balance="global"` over dp_shard × cp (`parallel.moe`)."""
+    from .moe import BALANCE_GROUP_ATTR
+
     loss_function = model.loss_function
     cp_group = loss_function.cp_group if isinstance(loss_function, CausalLMLoss) else None
+    cp_group = getattr(model, BALANCE_GROUP_ATTR, None) or cp_group  # moe_balance="global": dp_shard × cp
     text = model.config.get_text_config()
     if cp_group is None:
         return hf_moe.load_balancing_loss_func(router_logits, text.num_experts, text.num_experts_per_tok, attention_mask)

@@ -36,7 +36,7 @@ from .parallel.fsdp import (
     unit_record,
 )
 from .parallel.mesh import ParallelDims, mesh_device, mesh_dim_names, mesh_dim_size
-from .parallel.moe import BALANCE_CHOICES, check_moe_layout, install_global_balance
+from .parallel.moe import BALANCE_CHOICES, check_global_balance, check_moe_layout, install_global_balance
 from .parallel.tiled_loss import install_tiled_loss, tiled_loss_choice, tiled_loss_mode
 from .parallel.tensor_parallel import (
     apply_tensor_parallel,
@@ -146,6 +146,9 @@ class Qwen3_5ModelParallelizer:
         dims = ParallelDims(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, cp_mesh_name, tp_mesh_name)
         tp_size, cp_size = dims.tp_size, dims.cp_size
         check_moe_layout(parts, cp_size=cp_size, tp_size=tp_size)
+        global_balance = moe_balance == "global" and parts.family == "moe"  # dense models have no router
+        if global_balance:
+            check_global_balance(dp_replicate=dims.dp_replicate)
         check_no_cpu_offload(offload_policy, tp_size)  # before any change, on every rank
         if tp_size > 1:
             check_tp_divisible(base.config.get_text_config(), tp_size)
@@ -187,8 +190,8 @@ class Qwen3_5ModelParallelizer:
             install_vision_placeholder(base)
         if dims.cp is not None:
             install_context_parallel(base, dims.cp, state_exchange=cp_state_exchange)
-        if moe_balance == "global" and parts.family == "moe":  # dense models have no router
-            install_global_balance(base, fsdp_mesh, dp_replicate=dims.dp_replicate)
+        if global_balance:
+            install_global_balance(base, fsdp_mesh)
         logger.info(
             "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s, "
             "cp: %d, tp: %d, tiled loss: %s)",

@@ -380,3 +380,32 @@ def _global_balance_worker(rank: int, world: int) -> None:
 @pytest.mark.multiprocess
 def test_a_global_router_balance_under_dp2_equals_one_process_on_the_whole_batch():
     run_world(_global_balance_worker, 2)
+
+
+def _hsdp_worker(rank: int, world: int) -> None:
+    """HSDP 2 × 2 on the MoE model equals one process (each rank its rows; the router's loss off:
+    per rank it is each rank's rows', tested at dp 2); moe_balance="global" refused with HSDP."""
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, random_batch
+    from test_fsdp_parity import accelerate_style_mesh
+
+    reference = build_tiny_moe_causal_lm(seed=0)
+    model = build_tiny_moe_causal_lm(seed=0)
+    PARALLELIZER.apply(model, accelerate_style_mesh(world, dp_replicate=2))
+    batch = random_batch(BATCH_PER_RANK * world, SEQ, reference.config.vocab_size, seed=9)
+    reference(**batch).loss.backward()
+    loss = model(**{k: v[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK] for k, v in batch.items()}).loss
+    loss.backward()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+    assert_close(mean, reference(**batch).loss.detach(), "mean loss")
+    assert assert_grads_match(model, reference) > 0
+    with pytest.raises(NotImplementedError, match=r"moe_balance='global' with HSDP \(dp_replicate 2\) is not built"):
+        PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), accelerate_style_mesh(world, dp_replicate=2), moe_balance="global")
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_hsdp_2x2_on_moe_equals_one_process():
+    run_world(_hsdp_worker, 4)

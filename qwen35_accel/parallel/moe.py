@@ -40,14 +40,19 @@ def check_moe_layout(parts: Qwen35Parts, *, cp_size: int, tp_size: int) -> None:
         )
 
 
-def install_global_balance(model: torch.nn.Module, fsdp_mesh: Any, *, dp_replicate: int) -> None:
-    """Make `model`'s router loss count the tokens of every rank of `fsdp_mesh` (dp_shard × cp,
-    a 1-D mesh); refused with HSDP (`dp_replicate` > 1: a 2-D mesh, not built)."""
+def check_global_balance(*, dp_replicate: int) -> None:
+    """`moe_balance="global"` is refused with HSDP (`dp_replicate` > 1: the group would have to
+    span a 2-D mesh, not built); before any change, on every rank."""
     if dp_replicate > 1:
         raise NotImplementedError(
             f"moe_balance='global' with HSDP (dp_replicate {dp_replicate}) is not built: the router's sums would cover "
             "one replica's ranks only. Use moe_balance='rank', or FSDP2 without replication."
         )
+
+
+def install_global_balance(model: torch.nn.Module, fsdp_mesh: Any) -> None:
+    """Make `model`'s router loss count the tokens of every rank of `fsdp_mesh` (dp_shard × cp,
+    1-D: `check_global_balance` first)."""
     setattr(model, BALANCE_GROUP_ATTR, fsdp_mesh.get_group())
 
 

@@ -130,33 +130,30 @@ def randomize_for_parity(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
-def build_tiny_causal_lm(seed: int = 0, *, dtype: torch.dtype = torch.float32, **config_overrides: Any) -> hf.Qwen3_5ForCausalLM:
-    """Unmodified Transformers `Qwen3_5ForCausalLM`, same weights for the same seed."""
+def _built(model_class: type[nn.Module], config: Any, seed: int, dtype: torch.dtype) -> Any:
+    """`model_class(config)` under Transformers' init seeded with `seed`, then
+    `randomize_for_parity`, in `dtype`: the same weights for the same seed."""
     torch.manual_seed(seed)
-    model = hf.Qwen3_5ForCausalLM(tiny_text_config(**config_overrides))
+    model = model_class(config)
     randomize_for_parity(model, seed)
     return model.to(dtype)
+
+
+def build_tiny_causal_lm(seed: int = 0, *, dtype: torch.dtype = torch.float32, **config_overrides: Any) -> hf.Qwen3_5ForCausalLM:
+    """Unmodified Transformers `Qwen3_5ForCausalLM`, same weights for the same seed."""
+    return _built(hf.Qwen3_5ForCausalLM, tiny_text_config(**config_overrides), seed, dtype)
 
 
 def build_tiny_vlm(seed: int = 0, *, dtype: torch.dtype = torch.float32, **text_overrides: Any) -> hf.Qwen3_5ForConditionalGeneration:
     """Unmodified Transformers `Qwen3_5ForConditionalGeneration`, same weights per seed."""
-    torch.manual_seed(seed)
-    model = hf.Qwen3_5ForConditionalGeneration(tiny_vlm_config(**text_overrides))
-    randomize_for_parity(model, seed)
-    return model.to(dtype)
+    return _built(hf.Qwen3_5ForConditionalGeneration, tiny_vlm_config(**text_overrides), seed, dtype)
 
 
 def build_tiny_moe_causal_lm(seed: int = 0, *, dtype: torch.dtype = torch.float32, **config_overrides: Any) -> hf_moe.Qwen3_5MoeForCausalLM:
     """Unmodified Transformers `Qwen3_5MoeForCausalLM` (`tiny_moe_text_config`), same weights per seed."""
-    torch.manual_seed(seed)
-    model = hf_moe.Qwen3_5MoeForCausalLM(tiny_moe_text_config(**config_overrides))
-    randomize_for_parity(model, seed)
-    return model.to(dtype)
+    return _built(hf_moe.Qwen3_5MoeForCausalLM, tiny_moe_text_config(**config_overrides), seed, dtype)
 
 
 def build_tiny_moe_vlm(seed: int = 0, *, dtype: torch.dtype = torch.float32, **text_overrides: Any) -> hf_moe.Qwen3_5MoeForConditionalGeneration:
     """Unmodified Transformers `Qwen3_5MoeForConditionalGeneration` (`tiny_moe_vlm_config`), same weights per seed."""
-    torch.manual_seed(seed)
-    model = hf_moe.Qwen3_5MoeForConditionalGeneration(tiny_moe_vlm_config(**text_overrides))
-    randomize_for_parity(model, seed)
-    return model.to(dtype)
+    return _built(hf_moe.Qwen3_5MoeForConditionalGeneration, tiny_moe_vlm_config(**text_overrides), seed, dtype)

@@ -409,3 +409,24 @@ def _hsdp_worker(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_hsdp_2x2_on_moe_equals_one_process():
     run_world(_hsdp_worker, 4)
+
+
+def test_regional_compile_on_moe_leaves_the_sparse_block_eager_and_equals_eager():
+    """torch.compile per decoder layer (aot_eager): the regions of the dense family but the
+    sparse block (its experts loop routes by data); loss and every gradient equal eager's."""
+    from qwen35_accel.model.detect import FAMILIES, qwen35_parts
+    from qwen35_accel.model.fp32_gate import install_fp32_gate
+    from qwen35_accel.parallel.regional_compile import compile_layer_regions
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, random_batch
+
+    reference = build_tiny_moe_causal_lm(seed=0)
+    model = copy.deepcopy(reference)
+    install_fp32_gate(model)
+    regions = compile_layer_regions(qwen35_parts(model, families=FAMILIES), context_parallel=False, backend="aot_eager")
+    assert "MLP" not in regions and regions.startswith("norms, attention, GatedDeltaNet projections")
+    batch = random_batch(2, SEQ, reference.config.vocab_size, seed=0)
+    want, got = reference(**batch).loss, model(**batch).loss
+    want.backward()
+    got.backward()
+    assert_close(got.detach(), want.detach(), "loss")
+    assert assert_grads_match(model, reference) > 0

@@ -64,7 +64,8 @@ def _loss(variant: str, x: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     import torch.nn.functional as F
 
     from qwen35_accel.parallel.losses import CausalLMLoss, reduce_token_loss
-    from qwen35_accel.parallel.tiled_head import TILE_BYTES, block_shape, linear_cross_entropy_sum
+    from qwen35_accel.parallel.tiled_blocks import TILE_BYTES, block_shape
+    from qwen35_accel.parallel.tiled_head import linear_cross_entropy_sum
 
     group = dist.group.WORLD if world > 1 else None
     if variant in TILED:
@@ -137,7 +138,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--tile-bytes", type=int, default=None,
-                        help="fp32 bytes of one block's logits (default: the library's, tiled_head.TILE_BYTES)")
+                        help="fp32 bytes of one block's logits (default: the library's, tiled_blocks.TILE_BYTES)")
     _report.add_arguments(parser)
     args = parser.parse_args()
     if args.smoke:
@@ -147,7 +148,7 @@ def main() -> None:
             raise SystemExit("loss_memory.py --device cuda: no CUDA device here")
         args.cp = [1]  # one GPU
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from qwen35_accel.parallel.tiled_head import TILE_BYTES, block_shape
+    from qwen35_accel.parallel.tiled_blocks import TILE_BYTES, block_shape
     from qwen35_accel.testing.local_world import run_local_world
 
     threads = max(1, (os.cpu_count() or 1) // max(args.cp))

@@ -78,8 +78,9 @@ def _present_layer_classes_only(plugin: Any, model: nn.Module) -> None:
 
 def _moe_note(plugin: Any, model: nn.Module) -> str:
     """One line for a Qwen3.5 MoE model the plugin leaves to Accelerate (tensor parallelism: not
-    built for MoE yet, `parallel.moe`): Accelerate's own path, and why it then fails if it will. Not fixed here: stock Accelerate fails the same way with or without
-    qwen35_accel, and the YAML key fixes it.
+    built for MoE yet, `parallel.moe`): Accelerate's own path, and why it then fails if it will.
+    Not fixed here: stock Accelerate fails the same way with or without qwen35_accel, and the
+    YAML key fixes it.
     """
     note = (
         f"{type(model).__name__} is a Qwen3.5 MoE model: qwen35_accel prepares it under data and context parallelism "

@@ -11,7 +11,7 @@ OPTIMIZERS = ("adamw", "sgd", "none")
 # Optimizer state per trainable parameter, in units of the parameter's storage dtype.
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}
 CHUNK = 64  # the chunk length of the chunked gated delta rule (Transformers' and FLA's)
-DEFAULT_LOSS_TILE_BYTES = 2**28  # fp32 logits per loss tile: at most 256 MiB (tiled_head.TILE_BYTES)
+DEFAULT_LOSS_TILE_BYTES = 2**28  # fp32 logits per loss tile: at most 256 MiB (tiled_blocks.TILE_BYTES)
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,10 @@ def check_moe_layout(parts: Qwen35Parts, *, cp_size: int, tp_size: int) -> None:
     what is not built yet. No-op for the dense family."""
     if parts.family != "moe":
         return
-    refused = []
     if tp_size > 1:
-        refused.append(f"tensor parallelism (tp {tp_size})")
-    if refused:
         raise NotImplementedError(
             f"qwen35_accel prepares Qwen3.5-MoE models with data and context parallelism (FSDP2/HSDP, cp) only so "
-            f"far; {', '.join(refused)} is not built for them yet (docs/moe_design.md). Use tp 1 with "
+            f"far; tensor parallelism (tp {tp_size}) is not built for them yet (docs/moe_design.md). Use tp 1 with "
             "the MoE family, or the dense family for tensor parallelism."
         )
 
@@ -61,12 +58,12 @@ def router_balance_loss(
     num_experts: int,
     top_k: int,
     padding_mask: torch.Tensor | None,
-    cp_group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup,
 ) -> torch.Tensor:
     """Transformers' `load_balancing_loss_func` (Switch Transformer's auxiliary loss) over the
     tokens of a group: `num_experts · Σ_e (tokens routed to e / N) · (Σ p_e / N)`, N the real
     tokens of every layer. Its three sums (assignments per expert, probability per expert, N)
-    are this rank's tokens' and are summed over `cp_group` (the cp group: whole rows; or every
+    are this rank's tokens' and are summed over `group` (the cp group: whole rows; or every
     rank of dp_shard × cp: the global batch) before the product, so the value is one process's
     on those tokens; the gradient is this rank's share, scaled by the group size for FSDP2's
     average over dp_shard × cp (as `losses.reduce_token_loss`).
@@ -85,12 +82,9 @@ def router_balance_loss(
         assigned = assigned.scatter_add(0, chosen.reshape(-1), ones)
         probability = probability + (probs if weight is None else probs * weight[:, None]).sum(dim=0)
         rows = rows + (probs.shape[0] if weight is None else weight.sum())
-    if cp_group is None:
-        return num_experts * (assigned / rows * (probability / rows)).sum()
-    counts = torch.cat([assigned, rows[None]])
-    totals = torch.cat([counts, probability.detach()])
-    dist.all_reduce(totals, group=cp_group)
+    totals = torch.cat([assigned, rows[None], probability.detach()])
+    dist.all_reduce(totals, group=group)
     all_assigned, all_rows, all_probability = totals[:num_experts], totals[num_experts], totals[num_experts + 1 :]
     value = num_experts * (all_assigned * all_probability).sum() / all_rows**2
-    seed = num_experts * (all_assigned * probability).sum() / all_rows**2 * dist.get_world_size(cp_group)
+    seed = num_experts * (all_assigned * probability).sum() / all_rows**2 * dist.get_world_size(group)
     return seed + (value - seed).detach()

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .tiled_blocks import FIELDS, TILE_BYTES, block_shape, combine_over_group, gradient_pass, stats_pass
+from .tiled_blocks import FIELDS, block_shape, combine_over_group, gradient_pass, stats_pass
 
 # Per-token outputs besides the target's log-probability, computed only when asked for.
 OPTIONAL_STATS: tuple[str, ...] = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")

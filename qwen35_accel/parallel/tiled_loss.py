@@ -120,14 +120,14 @@ def _router_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...], atte
 
     loss_function = model.loss_function
     cp_group = loss_function.cp_group if isinstance(loss_function, CausalLMLoss) else None
-    cp_group = getattr(model, BALANCE_GROUP_ATTR, None) or cp_group  # moe_balance="global": dp_shard × cp
+    group = getattr(model, BALANCE_GROUP_ATTR, None) or cp_group  # moe_balance="global": dp_shard × cp
     text = model.config.get_text_config()
-    if cp_group is None:
+    if group is None:
         return hf_moe.load_balancing_loss_func(router_logits, text.num_experts, text.num_experts_per_tok, attention_mask)
     from .moe import router_balance_loss
 
     padding = attention_mask.get("linear_attention") if isinstance(attention_mask, dict) else attention_mask
-    return router_balance_loss(router_logits, text.num_experts, text.num_experts_per_tok, padding, cp_group)
+    return router_balance_loss(router_logits, text.num_experts, text.num_experts_per_tok, padding, group)
 
 
 def _tiled_class(cls: type) -> type:

@@ -41,7 +41,7 @@ def test_the_fp32_gate_holder_on_moe_layers_equals_the_unmodified_model():
     reference = build_tiny_moe_causal_lm(seed=0, output_router_logits=True)
     model = copy.deepcopy(reference)
     assert qwen35_family(model) == "moe" and qwen35_parts(model, families=("dense", "moe")).family == "moe"
-    with pytest.raises(TypeError, match="the MoE family is taken by the FSDP2 path alone so far"):
+    with pytest.raises(TypeError, match="the MoE family has no tensor parallelism and no plan yet"):
         qwen35_parts(model)  # the dense-only callers (CP, TP) refuse it
     assert install_fp32_gate(model) == 2
     assert all(has_fp32_gate(layer.linear_attn) for layer in model.model.layers if hasattr(layer, "linear_attn"))

@@ -23,6 +23,14 @@ from .parallel.activation_checkpointing import (
 )
 from .parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR, ActivationOffload
 from .parallel.context_parallel.state_exchange import EXCHANGES
+from .parallel.expert_parallel import (
+    ExpertMesh,
+    build_expert_mesh,
+    check_expert_parallel,
+    install_expert_parallel,
+    moe_blocks,
+    shard_experts,
+)
 from .parallel.context_parallel.model import (
     check_context_parallel_supported,
     install_context_parallel,
@@ -92,6 +100,7 @@ class Qwen3_5ModelParallelizer:
         cp_state_exchange: str = "auto",
         tiled_loss: bool | str = "recompute",
         moe_balance: str = "rank",
+        ep: int = 1,
     ) -> nn.Module:
         """Parallelize `model` over `device_mesh` and return it (the same object).
 
@@ -124,6 +133,11 @@ class Qwen3_5ModelParallelizer:
         load-balancing loss over each data-parallel rank's tokens (Transformers' meaning; whole
         rows under cp); "global" — over the global batch (its sums all-reduced over dp_shard ×
         cp, in the tiled training loss; not with HSDP). Dense models ignore it.
+        `ep` (Qwen3.5-MoE): expert parallelism, each of `ep` ranks holding `num_experts / ep`
+        whole experts per layer and tokens exchanged by all-to-all; the ep groups are carved
+        out of dp_shard × cp (consecutive ranks), the ranks holding the same experts shard them
+        with FSDP2 (`parallel.expert_parallel`). `ep` must divide the experts and dp_shard × cp
+        (ValueError with the numbers); 1: every rank holds every expert.
 
         Preconditions: `torch.distributed` is initialised; `model` is a Qwen3.5 model, dense or
         MoE (the MoE family: no tensor parallelism yet, `parallel.moe`; TypeError otherwise),
@@ -146,6 +160,8 @@ class Qwen3_5ModelParallelizer:
         dims = ParallelDims(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, cp_mesh_name, tp_mesh_name)
         tp_size, cp_size = dims.tp_size, dims.cp_size
         check_moe_layout(parts, cp_size=cp_size, tp_size=tp_size)
+        check_expert_parallel(parts, ep=ep, data_ranks=dims.size(dims.dp_shard_cp_name), dp_replicate=dims.dp_replicate,
+                              tp_size=tp_size)
         global_balance = moe_balance == "global" and parts.family == "moe"  # dense models have no router
         if global_balance:
             check_global_balance(dp_replicate=dims.dp_replicate)
@@ -159,6 +175,9 @@ class Qwen3_5ModelParallelizer:
         fsdp_mesh = dims.fsdp
 
         converted = install_fp32_gate(model)  # the outer module too: one parameter naming from the root down
+        expert_mesh = build_expert_mesh(dims, ep) if ep > 1 else None
+        if expert_mesh is not None:
+            install_expert_parallel(parts, expert_mesh)
         if dims.tp is not None:
             apply_tensor_parallel(base, dims.tp)
             if vocab_parallel_lm_head:
@@ -184,6 +203,7 @@ class Qwen3_5ModelParallelizer:
             frozen_multimodal_sharding=frozen_multimodal_sharding,
             fp32_holder_units=fp32_holder_units,
             parts=parts,
+            expert_mesh=expert_mesh,
         )
         if vision_tower_has_units(parts.vision_model):
             # Vision blocks with FSDP2 units need every rank in every forward, images or not.
@@ -194,7 +214,7 @@ class Qwen3_5ModelParallelizer:
             install_global_balance(base, fsdp_mesh)
         logger.info(
             "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s, "
-            "cp: %d, tp: %d, tiled loss: %s)",
+            "cp: %d, tp: %d, ep: %d, tiled loss: %s)",
             type(model).__name__,
             fsdp_mesh,
             converted,
@@ -202,6 +222,7 @@ class Qwen3_5ModelParallelizer:
             if activation_checkpointing else "off",
             cp_size,
             tp_size,
+            ep,
             tiled_loss_mode(base),
         )
         return model
@@ -221,6 +242,7 @@ class Qwen3_5ModelParallelizer:
         *,
         fp32_holder_units: Fp32HolderUnits = "per_layer",
         parts: Qwen35Parts | None = None,
+        expert_mesh: ExpertMesh | None = None,
     ) -> None:
         """Shard a dense Qwen3.5 model into dtype-uniform FSDP2 units, bottom-up.
 
@@ -241,6 +263,10 @@ class Qwen3_5ModelParallelizer:
         few KiB of memory (2 x value heads floats per layer, kept gathered from forward to
         the end of backward). Worth it where a collective's latency is large against a
         layer's compute (gloo, small models).
+
+        `expert_mesh` (expert parallelism, `install_expert_parallel` done): each layer's routed
+        experts become a unit of their own over the ranks holding the same experts
+        (`shard_experts`), before the layer's units.
         """
         _check_choice("fp32_holder_units", fp32_holder_units, FP32_HOLDER_UNITS_CHOICES)
         parts = parts or qwen35_parts(module, families=FAMILIES)
@@ -266,6 +292,14 @@ class Qwen3_5ModelParallelizer:
                            offload_policy=offload_policy or OffloadPolicy())
                 shared_holder_unit = holders[0]
 
+        if expert_mesh is not None:
+            shard_experts(
+                [block.experts for block in moe_blocks(parts)],
+                expert_mesh,
+                mp_policy=policy,
+                offload_policy=offload_policy,
+                reshard_after_forward=reshard_after_forward,
+            )
         layer_units = [
             fully_shard_by_dtype(layer, reshard_after_forward=reshard_after_forward, **common)
             for layer in parts.decoder_layers

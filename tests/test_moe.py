@@ -108,39 +108,19 @@ def _routing(model: torch.nn.Module) -> tuple[list[torch.Tensor], list]:
 def _dp_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.model.fp32_gate import HOLDER_NAME
-    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, random_batch
-    from test_fsdp_parity import accelerate_style_mesh
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+    from test_moe_ep import _parity
 
-    # The router's load-balancing loss is each rank's (stock's meaning under dp): the
-    # reference is the mean of one process's losses on each rank's rows.
-    reference = build_tiny_moe_causal_lm(seed=0, output_router_logits=True)
-    model = build_tiny_moe_causal_lm(seed=0, output_router_logits=True)
-    PARALLELIZER.apply(model, accelerate_style_mesh(world))
+    # FSDP2 at world 2, every expert on every rank: each rank's rows against one process on
+    # them (the router's loss each rank's: stock's meaning under dp), through SGD steps.
+    model, _ = _parity(rank, world, ep=1, cp=1, num_experts=6)
     holders = [m for name, m in model.named_modules() if name.endswith(HOLDER_NAME)]
     assert len(holders) == 2 and all(p.dtype == torch.float32 for h in holders for p in h.parameters())
-    ref_routes, _ = _routing(reference)
-    routes, _ = _routing(model)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=1.0, momentum=0.9)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
-    for step in range(STEPS):
-        batch = random_batch(BATCH_PER_RANK * world, SEQ, reference.config.vocab_size, seed=100 + step)
-        rows = [{k: v[r * BATCH_PER_RANK : (r + 1) * BATCH_PER_RANK] for k, v in batch.items()} for r in range(world)]
-        ref_routes.clear(), routes.clear()
-        ref_losses = [reference(**part).loss for part in rows]
-        (sum(ref_losses) / world).backward()
-        loss = model(**rows[rank]).loss
-        loss.backward()
-        assert_close(loss.detach(), ref_losses[rank].detach(), f"rank {rank} loss at step {step}")
-        mine = ref_routes[rank * len(routes) : (rank + 1) * len(routes)]
-        for layer, (got, want) in enumerate(zip(routes, mine)):
-            assert torch.equal(got, want), f"rank {rank} step {step}: layer {layer} routed tokens to other experts"
-        assert assert_grads_match(model, reference) > 0
-        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
 
     # Tensor parallelism is not built for the MoE family: refused on every rank.
     mesh = init_device_mesh("cpu", (1, 1, 1, world), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    with pytest.raises(NotImplementedError, match=r"\(FSDP2/HSDP, cp\) only so far; tensor parallelism \(tp 2\)"):
+    with pytest.raises(NotImplementedError, match=r"\(FSDP2/HSDP, cp, ep\) only so far; tensor parallelism \(tp 2\)"):
         PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), mesh)
     dist.barrier()
 
@@ -171,7 +151,7 @@ def test_moe_under_tp_is_left_to_accelerate_with_one_line_that_predicts_its_wrap
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=["Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"])
     note = _moe_note(plugin, model)
-    assert "under data and context parallelism only so far" in note
+    assert "under data, context and expert parallelism only so far" in note
     assert "its wrap policy looks for ['Qwen3_5MoeVisionBlock'], which this model lacks" in note
     assert note.endswith("add `fsdp_transformer_layer_cls_to_wrap: Qwen3_5MoeDecoderLayer` to fsdp_config")
     plugin.transformer_cls_names_to_wrap = ["Qwen3_5MoeDecoderLayer"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from _launched import register
-from test_trainer_launch import FIXED_LENGTH, PREPARED, SGD, assert_same_training, recipe_run, runs
+from test_trainer_launch import FIXED_LENGTH, PREPARED, RESUME_FROM, SGD, assert_same_training, losses, recipe_run, runs
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -27,11 +27,26 @@ def save_tiny_moe(path: Path) -> None:
     build_tiny_moe_causal_lm(seed=0, vocab_size=264, eos_token_id=256, pad_token_id=256).save_pretrained(path)
 
 
-MOE = ("--model_name_or_path", "{in}", "--tokenizer_name_or_path", TOKENIZER, *FIXED_LENGTH, *SGD)
+EP2 = {"QWEN35_ACCEL_EP": "2"}
+# SGD with momentum: linear in the gradients, as plain SGD (see test_trainer_launch), and with an
+# optimizer state for the checkpoints to carry (torch's full-state-dict load of a stateless
+# optimizer raises "Expected device to be set").
+MOE = ("--model_name_or_path", "{in}", "--tokenizer_name_or_path", TOKENIZER, *FIXED_LENGTH, *SGD, "--optim_args", "momentum=0.9")
 register(**{
     "moe/reference": recipe_run(None, "--per_device_train_batch_size", "4", *MOE, setup=save_tiny_moe),
     "moe/fsdp2": recipe_run("cpu_fsdp2.yaml", "--per_device_train_batch_size", "2", *MOE, setup=save_tiny_moe),
-    "moe/cp2": recipe_run("cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *MOE, setup=save_tiny_moe),
+    "moe/cp2": recipe_run("cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *MOE, *RESUME_FROM,
+                          setup=save_tiny_moe),
+    # Expert parallelism from the knob, the YAML unchanged: ep 2 over cp 2's two ranks (ep x cp at world 2).
+    "moe/ep2-cp2": recipe_run("cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *MOE, *RESUME_FROM,
+                              setup=save_tiny_moe, env=EP2),
+    # Each one's step-2 checkpoint resumed in the other layout.
+    "moe/cp2-from-ep2": recipe_run("cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *MOE,
+                                   "--resume_from_checkpoint", "{out:moe/ep2-cp2}/checkpoint-2", setup=save_tiny_moe,
+                                   after=("moe/ep2-cp2",)),
+    "moe/ep2-from-cp2": recipe_run("cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *MOE,
+                                   "--resume_from_checkpoint", "{out:moe/cp2}/checkpoint-2", setup=save_tiny_moe,
+                                   env=EP2, after=("moe/cp2",)),
 })
 
 
@@ -60,3 +75,39 @@ def test_a_qwen35_moe_model_under_cp2_trains_as_one_process(launched):
     lines = [line for line in run.stderr.splitlines() if PREPARED in line]
     assert len(lines) == 1 and "Qwen3_5MoeForCausalLM prepared by qwen35_accel" in lines[0] and "cp=2" in lines[0], run.stderr
     assert_same_training(run.out, reference.out, rtol=1e-5)
+
+
+@runs("moe/reference", "moe/ep2-cp2")
+def test_a_qwen35_moe_model_under_ep2_and_cp2_trains_as_one_process_and_saves_every_expert(launched):
+    """QWEN35_ACCEL_EP=2 with cpu_fsdp2_cp2.yaml: each rank holds 3 of the 6 experts of every layer
+    and its chunks of every row; tokens cross to their experts' rank and back (before: no ep)."""
+    run, reference = launched("moe/ep2-cp2"), launched("moe/reference")
+    lines = [line for line in run.stderr.splitlines() if PREPARED in line]
+    assert len(lines) == 1 and "cp=2" in lines[0], run.stderr
+    assert "ep=2 (experts: 3 of 6 per rank per layer, all-to-all; their FSDP2 units over 1 rank)" in lines[0], lines[0]
+    assert_same_training(run.out, reference.out, rtol=1e-5)
+    from safetensors.torch import load_file
+
+    saved = load_file(run.out / "model.safetensors")
+    assert {key.split(".")[5] for key in saved if key.startswith("model.layers.0.mlp.experts.")} == set("012345")
+
+
+@runs("moe/ep2-cp2", "moe/cp2-from-ep2", "moe/cp2", "moe/ep2-from-cp2")
+def test_a_checkpoint_saved_under_ep2_resumes_without_ep_and_back(launched):
+    """The Trainer's step-2 checkpoint (model and optimizer state, gathered whole) of the ep 2 run
+    resumes under cp 2 without ep, and the cp 2 run's under ep 2: steps 3-4 repeat the uninterrupted
+    run's losses and grad norms, and the saved weights equal (fp32 rtol 1e-5: the layouts sum the
+    experts' gradients in another order; plain SGD, see test_trainer_launch)."""
+    for resumed, full in (("moe/cp2-from-ep2", "moe/ep2-cp2"), ("moe/ep2-from-cp2", "moe/cp2")):
+        a, b = launched(resumed), launched(full)
+        assert (b.out / "checkpoint-2").is_dir()
+        assert ("ep=2 (experts" in a.stderr) is (resumed == "moe/ep2-from-cp2"), a.stderr[-2000:]
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor(losses(a.out, key)[-2:]), torch.tensor(losses(b.out, key)[-2:]),
+                                       rtol=1e-5, atol=0, msg=lambda m, key=key: f"{resumed} {key}: {m}")
+        from safetensors.torch import load_file
+
+        got, want = load_file(a.out / "model.safetensors"), load_file(b.out / "model.safetensors")
+        assert set(got) == set(want)
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{resumed} {key}: {m}")

@@ -42,6 +42,7 @@ def prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
             _note_restored_gates(model)
             _present_layer_classes_only(self.state.fsdp_plugin, model)
         elif model is not None and is_qwen35_module(model):
+            _refuse_expert_parallelism(model, "tensor parallelism (tp > 1) leaves a Qwen3.5-MoE model to Accelerate's own path")
             main_process_note(_moe_note(self.state.fsdp_plugin, model))
         result = original(self, *args)
         if model is not None and getattr(model, "_qwen35_accel_prepared", False):
@@ -76,6 +77,18 @@ def _present_layer_classes_only(plugin: Any, model: nn.Module) -> None:
             plugin.transformer_cls_names_to_wrap = names
 
 
+def _refuse_expert_parallelism(model: nn.Module, why: str) -> None:
+    """QWEN35_ACCEL_EP > 1 where the plugin's FSDP2 path does not run: raise (on every rank: the
+    settings are every rank's) rather than train every expert on every rank silently."""
+    ep = PluginSettings.from_env(strict=True).ep
+    if ep > 1:
+        raise NotImplementedError(
+            f"QWEN35_ACCEL_EP={ep} asks for expert parallelism, which qwen35_accel builds in its FSDP2 preparation; "
+            f"here {why}, and {type(model).__name__} would hold every expert on every rank. Launch with an FSDP2 "
+            "config without tp (accelerate_configs/cpu_fsdp2.yaml, fsdp2.yaml, fsdp2_cp2.yaml), or unset QWEN35_ACCEL_EP."
+        )
+
+
 def _moe_note(plugin: Any, model: nn.Module) -> str:
     """One line for a Qwen3.5 MoE model the plugin leaves to Accelerate (tensor parallelism: not
     built for MoE yet, `parallel.moe`): Accelerate's own path, and why it then fails if it will.
@@ -83,8 +96,8 @@ def _moe_note(plugin: Any, model: nn.Module) -> str:
     YAML key fixes it.
     """
     note = (
-        f"{type(model).__name__} is a Qwen3.5 MoE model: qwen35_accel prepares it under data and context parallelism "
-        "only so far, so with tensor parallelism Accelerate's own FSDP2 path runs (no fp32 gate units, Transformers' TP)"
+        f"{type(model).__name__} is a Qwen3.5 MoE model: qwen35_accel prepares it under data, context and expert "
+        "parallelism only so far, so with tensor parallelism Accelerate's own FSDP2 path runs (no fp32 gate units, Transformers' TP)"
     )
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
@@ -224,11 +237,20 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     main_process_note(
         f"{type(getattr(model, '_orig_mod', model)).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
+        f"{_experts_note(model)}"
         f"activation checkpointing: {checkpointing}, loss: {loss_in_effect(model)}, "
         f"GatedDeltaNet kernels: {run_summary(accelerator.device)}{_hub_kernels_note(model)}"
         f"{compiled}"
     )
     return model
+
+
+def _experts_note(model: nn.Module) -> str:
+    """For the prepared line: where a MoE model's routed experts live."""
+    from ..model.detect import qwen35_family, unwrap_qwen35
+    from ..parallel.expert_parallel import describe_experts
+
+    return f"{describe_experts(unwrap_qwen35(model))}, " if qwen35_family(model) == "moe" else ""
 
 
 def _hub_kernels_note(model: nn.Module) -> str:
@@ -415,6 +437,8 @@ def prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def wrapper(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if is_qwen35_module(model) and _without_fsdp(self, model):
+            _refuse_expert_parallelism(model, f"Accelerate prepares this run without FSDP ({self.distributed_type})")
         if is_qwen35_module(model) and _without_fsdp(self, model) and _fp32_gates_wanted(model):
             from ..model.detect import unwrap_qwen35
             from ..model.fp32_gate import install_fp32_gate

@@ -79,6 +79,12 @@ class PluginSettings:
         "tokens (Transformers' meaning; whole rows under cp); global counts the global batch (its sums all-reduced "
         "over dp_shard x cp in the tiled training loss, Qwen's recipe; not with HSDP)",
     )
+    ep: int = _knob(
+        1,
+        "Qwen3.5-MoE: expert parallelism, each of ep ranks holding num_experts/ep whole experts per layer, tokens "
+        "sent to their experts' ranks and back by all-to-all; the ep groups are consecutive ranks of dp_shard x cp "
+        "(ep must divide it and the experts), the ranks holding the same experts shard them with FSDP2; 1: off",
+    )
     fp32_gates: bool = _knob(
         True,
         "without FSDP (one process, DDP): hold each GatedDeltaNet's A_log/dt_bias in an fp32 holder at prepare, "
@@ -115,6 +121,7 @@ class PluginSettings:
             fp32_holder_units=self.fp32_holder_units,
             tiled_loss=self.tiled_loss,
             moe_balance=self.moe_balance,
+            ep=self.ep,
         )
 
     @staticmethod

@@ -4,8 +4,8 @@ Slices 2 and 3 of the design: fp32 gate holders and dtype-uniform FSDP2 units pe
 layer (the router and the 3-D experts in the layer's unit), activation checkpointing and
 offload, data parallelism (FSDP2, HSDP), context parallelism (the dense CP layers; the router's
 load-balancing loss from its three sums reduced over the cp group, `router_balance_loss`), the
-tiled loss; the causal LM and the VLM class alike. Tensor and expert parallelism are refused
-on every rank with the reason until their slices land.
+tiled loss; the causal LM and the VLM class alike. Expert parallelism: `parallel.expert_parallel`.
+Tensor parallelism is refused on every rank with the reason until its slice lands.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def check_moe_layout(parts: Qwen35Parts, *, cp_size: int, tp_size: int) -> None:
         return
     if tp_size > 1:
         raise NotImplementedError(
-            f"qwen35_accel prepares Qwen3.5-MoE models with data and context parallelism (FSDP2/HSDP, cp) only so "
+            f"qwen35_accel prepares Qwen3.5-MoE models with data, context and expert parallelism (FSDP2/HSDP, cp, ep) only so "
             f"far; tensor parallelism (tp {tp_size}) is not built for them yet (docs/moe_design.md). Use tp 1 with "
             "the MoE family, or the dense family for tensor parallelism."
         )

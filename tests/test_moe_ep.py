@@ -1,0 +1,140 @@
+"""Expert parallelism for Qwen3.5-MoE (issue 46, slice 4): `PARALLELIZER.apply(..., ep=N)`
+against the unmodified model in one process — the loss with the router's loss, every gradient
+(the experts gathered from their ep and efsdp shards), the experts every token was routed to —
+through SGD steps, at ep 2 (world 2), ep 2 × cp 2, ep 2 with two copies of each expert
+sharded by FSDP2, ep 4 and ep 2 under HSDP 2 × 2 (world 4); a full state dict gathered under ep loads into one
+process bitwise; the layouts ep cannot take refused on every rank with the numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from _dist import run_world
+from _parity import assert_close, assert_grads_match, full, hf_name
+from test_moe import BATCH_PER_RANK, SEQ, _routing
+
+pytestmark = pytest.mark.multiprocess
+STEPS = 2
+
+
+def _parity(rank: int, world: int, *, ep: int, cp: int, num_experts: int, activation_checkpointing: bool = False,
+            dp_replicate: int = 1):
+    """`world` ranks, cp `cp`, the rest dp (`dp_replicate` of it replicas: HSDP); each dp rank's
+    rows against one process on them (the router's loss per rank: stock's meaning under dp),
+    `STEPS` SGD steps. Returns (model, reference). Also test_moe's FSDP2 parity (ep 1)."""
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.parallel.context_parallel.layout import unshard_sequence
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, random_batch
+    from test_cp_model import cp_mesh
+    from test_fsdp_parity import accelerate_style_mesh
+
+    reference = build_tiny_moe_causal_lm(seed=0, output_router_logits=True, num_experts=num_experts)
+    model = build_tiny_moe_causal_lm(seed=0, output_router_logits=True, num_experts=num_experts)
+    mesh = cp_mesh(world, cp) if dp_replicate == 1 else accelerate_style_mesh(world, dp_replicate=dp_replicate)
+    PARALLELIZER.apply(model, mesh, ep=ep, activation_checkpointing=activation_checkpointing)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.num_experts == num_experts // ep and isinstance(experts.gate_up_proj, DTensor)
+    if ep > 1:  # this rank's whole experts, a Shard(0) DTensor over ep (FSDP2 shards them over efsdp too)
+        weight = experts.gate_up_proj
+        assert weight.device_mesh.mesh_dim_names[-1] == "ep" and weight.placements[-1].is_shard(0), weight
+    ref_routes, _ = _routing(reference)
+    routes, _ = _routing(model)
+    dp = world // cp
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=1.0, momentum=0.9)
+    for step in range(STEPS):
+        batch = random_batch(BATCH_PER_RANK * dp, SEQ, reference.config.vocab_size, seed=100 + step)
+        rows = [{k: v[r * BATCH_PER_RANK : (r + 1) * BATCH_PER_RANK] for k, v in batch.items()} for r in range(dp)]
+        ref_routes.clear(), routes.clear()
+        ref_losses = [reference(**part).loss for part in rows]
+        (sum(ref_losses) / dp).backward()
+        mine = rows[rank // cp]
+        got = model(**(shard_batch(mine, mesh["cp"]) if cp > 1 else mine))
+        layers = len(routes)
+        got.loss.backward()
+        if activation_checkpointing:  # backward recomputed each layer, last first: the same routing
+            recomputed = routes[layers:]
+            assert len(recomputed) == layers and all(map(torch.equal, recomputed, routes[layers - 1 :: -1]))
+            del routes[layers:]
+        what = f"ep {ep} cp {cp}, rank {rank} step {step}"
+        assert_close(got.loss.detach(), ref_losses[rank // cp].detach(), f"{what}: loss")
+        whole = ref_routes[(rank // cp) * len(routes) : (rank // cp + 1) * len(routes)]
+        for layer, (chosen, want) in enumerate(zip(routes, whole)):
+            if cp > 1:  # [rows · local seq, k] in chunk order: gathered over cp, in sequence order
+                gathered = [torch.empty_like(chosen) for _ in range(cp)]
+                dist.all_gather(gathered, chosen.contiguous(), group=mesh["cp"].get_group())
+                chosen = unshard_sequence([g.reshape(BATCH_PER_RANK, -1, g.shape[-1]) for g in gathered], cp, seq_dim=1)
+            assert torch.equal(chosen.reshape(want.shape), want), f"{what}: layer {layer} routed tokens to other experts"
+        assert assert_grads_match(model, reference) > 0
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    return model, reference
+
+
+def _world2(rank: int, world: int) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_moe_causal_lm
+    from test_cp_model import cp_mesh
+
+    model, reference = _parity(rank, world, ep=2, cp=1, num_experts=6, activation_checkpointing=True)
+    # A full state dict gathered under ep 2 holds every expert whole, in Transformers' names, and
+    # loads into one process bitwise.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert sorted(state) == sorted(reference.state_dict())
+    params = {hf_name(name): full(p.detach()) for name, p in model.named_parameters()}
+    one = build_tiny_moe_causal_lm(seed=1, output_router_logits=True)
+    one.load_state_dict(state)
+    for name, p in one.named_parameters():
+        assert torch.equal(p, params[name]), f"{name} differs after the load"
+
+    # Refused on every rank, before any change, with the numbers.
+    with pytest.raises(ValueError, match=r"ep=4 does not divide the 2 ranks of dp_shard x cp"):
+        PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0, num_experts=8), cp_mesh(world, 1), ep=4)
+    with pytest.raises(ValueError, match=r"ep=2 does not divide the model's 5 experts per layer"):
+        PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0, num_experts=5), cp_mesh(world, 1), ep=2)
+    with pytest.raises(ValueError, match=r"expert parallelism needs a Qwen3.5-MoE model; this one is dense"):
+        PARALLELIZER.apply(build_tiny_causal_lm(seed=0), cp_mesh(world, 1), ep=2)
+    dist.barrier()
+
+
+def test_ep2_equals_one_process_with_the_same_routing_and_a_full_state_dict_loads_bitwise():
+    run_world(_world2, 2)
+
+
+def _world4(rank: int, world: int) -> None:
+    _parity(rank, world, ep=2, cp=2, num_experts=6)  # ep carved out of dp_shard × cp: the ep groups are cp groups
+    _parity(rank, world, ep=2, cp=1, num_experts=6)  # two copies of each expert, FSDP2-sharded over them
+    _parity(rank, world, ep=4, cp=1, num_experts=8)  # every rank its own 2 experts
+    _parity(rank, world, ep=2, cp=1, num_experts=6, dp_replicate=2)  # HSDP 2 x 2: each replica an ep group
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_ep2_x_cp2_ep2_with_sharded_copies_ep4_and_hsdp_equal_one_process():
+    run_world(_world4, 4)
+
+
+@pytest.mark.parametrize("family", ["moe", "dense"])
+def test_qwen35_accel_ep_without_the_fsdp2_path_is_refused_not_ignored(monkeypatch, family):
+    """QWEN35_ACCEL_EP=2 where the plugin's FSDP2 preparation does not run (one process here; DDP
+    takes the same patch point): every expert would stay on every rank, so `prepare` raises."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from qwen35_accel import install
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_moe_causal_lm
+
+    install()
+    monkeypatch.setenv("QWEN35_ACCEL_EP", "2")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    model = (build_tiny_moe_causal_lm if family == "moe" else build_tiny_causal_lm)(seed=0)
+    try:
+        with pytest.raises(NotImplementedError, match=r"QWEN35_ACCEL_EP=2 asks for expert parallelism, .* without FSDP"):
+            Accelerator(cpu=True).prepare(model)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -138,3 +138,30 @@ def test_qwen35_accel_ep_without_the_fsdp2_path_is_refused_not_ignored(monkeypat
             Accelerator(cpu=True).prepare(model)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _ram_efficient_worker(rank: int, world: int) -> None:
+    import os
+
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, random_batch
+    from test_accelerate_plugin import _accelerator
+    from _parity import assert_params_match
+
+    os.environ["QWEN35_ACCEL_EP"] = "2"
+    try:
+        accelerator = _accelerator(world, 1, cpu_ram_efficient_loading=True)
+        reference = build_tiny_moe_causal_lm(seed=0)
+        # Only rank 0 holds the real weights (as Transformers loads them under this setting).
+        model = build_tiny_moe_causal_lm(seed=0 if rank == 0 else 123)
+        model = accelerator.prepare(model)
+        assert model.model.layers[0].mlp.experts.num_experts == 3
+        assert_params_match(model, reference, atol=0)  # every expert where it belongs, bitwise
+        accelerator.backward(model(**random_batch(2, 16, reference.config.vocab_size, seed=3 + rank)).loss)
+    finally:
+        del os.environ["QWEN35_ACCEL_EP"]
+
+
+def test_cpu_ram_efficient_loading_puts_rank0s_experts_on_their_ep_ranks():
+    """Accelerate's `fsdp_cpu_ram_efficient_loading` (rank 0 loads, the others start on meta) with
+    QWEN35_ACCEL_EP=2: each rank ends with its experts' slices of rank 0's weights."""
+    run_world(_ram_efficient_worker, 2)

@@ -111,3 +111,28 @@ def test_a_checkpoint_saved_under_ep2_resumes_without_ep_and_back(launched):
         assert set(got) == set(want)
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{resumed} {key}: {m}")
+
+
+def test_trl_sft_cli_on_moe_under_cp2_and_ep2_logs_what_one_process_logs(tmp_path):
+    """TRL's own `trl sft` (SFTConfig's defaults: Transformers' gradient checkpointing, the prompt
+    masked) on a tiny Qwen3.5-MoE, unchanged: one process against `--accelerate_config
+    cpu_fsdp2_cp2.yaml` with QWEN35_ACCEL_EP=2 (each rank its chunks of every row and 3 of the 6
+    experts of every layer): loss, grad norm, entropy, mean_token_accuracy, num_tokens."""
+    import shutil
+
+    from _parity import assert_same_log_history, log_history
+    from _trl_cli import RECIPES, four_sgd_steps, single_and_cp2
+    from transformers import AutoTokenizer
+
+    model, data = tmp_path / "model", tmp_path / "data"
+    save_tiny_moe(model)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(model)
+    data.mkdir()
+    shutil.copy(RECIPES / "data" / "sft_tiny.jsonl", data / "train.jsonl")
+    single, cp2, output = single_and_cp2(tmp_path, "sft", four_sgd_steps(model, data), step=4, cp2_env=EP2)
+    assert output.count("prepared by qwen35_accel") == 1 and "cp=2" in output and "ep=2 (experts: 3 of 6" in output, output[-3000:]
+    logged = log_history(single)
+    losses = [e["loss"] for e in logged if "loss" in e]
+    assert len(losses) == 4 and losses[-1] < losses[0] and any(e.get("mean_token_accuracy", 0) > 0 for e in logged), logged
+    # fp32 rtol 1e-5: the reduction order of cp's per-chunk partial gradients and of the experts' (ep).
+    assert_same_log_history(cp2, single, rtol=1e-5, atol=1e-6)

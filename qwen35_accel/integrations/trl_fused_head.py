@@ -15,6 +15,12 @@ Under context parallelism the same patch point gives TRL's whole-row calls (unsh
 as DPO and KTO pass them) the per-token fields of whole rows: a forward pre-hook shards the call
 with the CP layout, and the forward gathers the fields back (`trl_whole_rows`).
 
+On Qwen3.5-MoE, when the router's loss is asked for and counts more than this rank's tokens (cp >
+1, or `moe_balance="global"`), TRL's head runs without router logits and the loss is computed from
+the routers' recorded logits with its sums reduced over that group (`_fused_forward_with_router_loss`):
+TRL's own computation would take this rank's chunks alone, and under cp fails on the mask dict the
+CP pre-hook hands the layers.
+
 `SFTTrainer.compute_loss` divides the summed log-probs by `num_items_in_batch` when the Trainer
 counts it, else by this rank's label tokens (`label_mask.sum()`). The Trainer counts it only for
 models that take loss kwargs: `Qwen3_5ForConditionalGeneration` declares `accepts_loss_kwargs =
@@ -130,12 +136,13 @@ def trl_add_fused_lm_head(original: Callable[..., Any]) -> Callable[..., Any]:
         cast_lm_head_to_fp32: bool = False,
         outputs: tuple[str, ...] = ("log_probs",),
     ) -> None:
-        from .targets import is_dense_qwen35_module
+        from .targets import is_dense_qwen35_module, is_qwen35_module
         from .trl_whole_rows import WHOLE_ROWS_KWARG, add_whole_rows_hook, gather_whole_rows
 
         original(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=outputs)
-        if not is_dense_qwen35_module(model):
+        if not is_qwen35_module(model):
             return
+        moe = not is_dense_qwen35_module(model)
         trl_forward = model.forward
         add_whole_rows_hook(model)
 
@@ -150,7 +157,13 @@ def trl_add_fused_lm_head(original: Callable[..., Any]) -> Callable[..., Any]:
             **kwargs: Any,
         ) -> Any:
             whole_rows = kwargs.pop(WHOLE_ROWS_KWARG, None)  # set by the pre-hook: this rank's chunks of whole rows
-            if fused_lm_head and getattr(self, VOCAB_GROUP_ATTR, None) is not None:
+            group = _router_balance_group(self) if moe and fused_lm_head and _router_loss_requested(self, kwargs) else None
+            if group is not None:
+                output = _fused_forward_with_router_loss(
+                    trl_forward, self, group, args, kwargs,
+                    labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
+                )
+            elif fused_lm_head and getattr(self, VOCAB_GROUP_ATTR, None) is not None:
                 output = _vocab_parallel_fused_forward(
                     self, args, kwargs, labels, shift_labels, num_items_in_batch,
                     temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=tuple(outputs),
@@ -166,6 +179,59 @@ def trl_add_fused_lm_head(original: Callable[..., Any]) -> Callable[..., Any]:
         model.forward = types.MethodType(forward, model)
 
     return wrapper
+
+
+def _router_loss_requested(model: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """TRL's fused forward asks the backbone for the router's logits (and adds the load-balancing
+    loss) when the call or the text config says so."""
+    requested = kwargs.get("output_router_logits")
+    return bool(getattr(model.config.get_text_config(), "output_router_logits", False) if requested is None else requested)
+
+
+def _router_balance_group(model: nn.Module) -> Any:
+    """The group a prepared Qwen3.5-MoE's router loss counts tokens over, beyond this rank's: dp_shard
+    × cp with `moe_balance="global"`, else the cp group under cp > 1; None: this rank's tokens (TRL's
+    own computation is then exact)."""
+    from ..parallel.moe import BALANCE_GROUP_ATTR
+    from .targets import prepared_qwen35
+
+    qwen = prepared_qwen35(model)
+    global_group = getattr(qwen, BALANCE_GROUP_ATTR, None) if qwen is not None else None
+    return global_group if global_group is not None else _cp_group_of(model)
+
+
+def _fused_forward_with_router_loss(
+    trl_forward: Callable[..., Any], model: nn.Module, group: Any, args: tuple[Any, ...], kwargs: dict[str, Any], **fused: Any
+) -> Any:
+    """TRL's fused forward with the router's load-balancing loss over `group`'s tokens.
+
+    TRL would take it from this rank's tokens with Transformers' `load_balancing_loss_func`, which
+    under cp cannot even read the mask the CP pre-hook hands the layers (a dict). Here TRL's forward
+    runs without router logits, the routers' logits of this forward are recorded as they are made
+    (the layers' order, as Transformers collects them), and `parallel.moe.router_balance_loss`
+    reduces the loss's three sums over `group`: the value is one process's on those tokens, the
+    gradient this rank's share (scaled for FSDP2's average, as the cross entropy). It is added to
+    `loss` and returned as `aux_loss`, as TRL does."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
+
+    from ..parallel.moe import router_balance_loss
+
+    recorded: list[torch.Tensor] = []
+    handles = [module.register_forward_hook(lambda _m, _i, out: recorded.append(out[0]))
+               for module in model.modules() if isinstance(module, Qwen3_5MoeTopKRouter)]
+    try:  # an activation checkpoint's recompute runs in backward, after the hooks are gone
+        output = trl_forward(*args, fused_lm_head=True, **fused, **{**kwargs, "output_router_logits": False})
+    finally:
+        for handle in handles:
+            handle.remove()
+    text = model.config.get_text_config()
+    mask = kwargs.get("attention_mask")
+    padding = mask.get("linear_attention") if isinstance(mask, dict) else mask  # the CP pre-hook's dict
+    aux = router_balance_loss(tuple(recorded), text.num_experts, text.num_experts_per_tok, padding, group)
+    output.aux_loss = aux
+    if output.loss is not None:
+        output.loss = output.loss + getattr(text, "router_aux_loss_coef", 0.0) * aux.to(output.loss.dtype)
+    return output
 
 
 def _cp_group_of(model: nn.Module) -> Any:

@@ -175,6 +175,8 @@ def _check_router_loss(module: nn.Module, args: tuple[Any, ...], kwargs: dict[st
         requested = getattr(module.config, "output_router_logits", False)
     if not requested:
         return
+    if kwargs.get("fused_lm_head") and getattr(module.forward, "_qwen35_accel_fused_head", False):
+        return  # TRL's fused head, wrapped: it reduces the router loss's sums over the cp group itself
     from ..tiled_loss import _tiled_loss_applies
 
     if not _tiled_loss_applies(module, args, kwargs):

@@ -21,6 +21,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType
+from typing import Any, Callable
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -142,3 +143,20 @@ class Run:
         path.write_text(section)
         print(f"\nwrote {path}")
         return path
+
+
+def world_json(worker: Callable[..., None], world: int, *args: Any, threads_per_rank: int = 1) -> Any:
+    """Run `worker(rank, world, *args, path)` on a local gloo world (`HF_HUB_OFFLINE`, Transformers
+    quiet) and return what rank 0 wrote to `path` as JSON."""
+    import json
+    import tempfile
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from qwen35_accel.testing.local_world import run_local_world
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        run_local_world(worker, world, *args, path, threads_per_rank=threads_per_rank)
+        with open(path) as f:
+            return json.load(f)

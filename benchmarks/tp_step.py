@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
 
 import torch
@@ -87,16 +85,8 @@ def main() -> None:
     shape = SHAPE
     if args.smoke:
         args.seq, args.steps, shape = 64, 2, SMOKE_SHAPE
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from qwen35_accel.testing.local_world import run_local_world
-
     run = _report.Run()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "tp_step.json")
-        run_local_world(_record, args.tp, args.seq, args.steps, shape, path, threads_per_rank=1)
-        with open(path) as f:
-            result = json.load(f)
+    result = _report.world_json(_record, args.tp, args.seq, args.steps, shape)
     ours_t, plan_t = (statistics.median(result["times"][k]) for k in ("ours", "transformers_plan"))
     paired = statistics.median(a / b for a, b in zip(result["times"]["ours"], result["times"]["transformers_plan"]))
     mem = result["memory"]

@@ -306,3 +306,14 @@ def test_compile_step_smoke_reports_each_world_without_a_graph_break():
         "norms, MLP, GatedDeltaNet projections and gated output",
     ], stdout
     assert [r[-1] for r in rows] == ["0", "0", "0"], stdout  # graph breaks in a compiled step
+
+
+def test_moe_step_smoke():
+    """ep 2 against dp 2: the all-to-alls move what the routing implies, no more; each rank computes
+    with half the experts and holds the same shards (FSDP2 shards dp's experts too)."""
+    rows = {r[0]: r for r in _table_rows(_smoke("moe_step.py"), "| per rank |")}
+    counted = rows["all-to-all bytes per layer and step, as the routing implies (2 × (pairs sent + pairs received) × hidden × 4 B)"]
+    assert abs(float(counted[3].split()[0]) - 1.0) < 2e-3, counted
+    assert float(rows["expert weights of a layer while it computes"][3]) == 0.5
+    assert float(rows["parameters + gradients + AdamW state held"][3]) == 1.0
+    assert float(rows["step time, median"][3].split()[0]) > 0

@@ -12,6 +12,7 @@ from typing import Literal
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
 
 from .model.detect import FAMILIES, Qwen35Parts, qwen35_parts, unwrap_qwen35
 from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
@@ -44,7 +45,7 @@ from .parallel.fsdp import (
     unit_record,
 )
 from .parallel.mesh import ParallelDims, mesh_device, mesh_dim_names, mesh_dim_size
-from .parallel.moe import BALANCE_CHOICES, check_global_balance, check_moe_layout, install_global_balance
+from .parallel.moe import BALANCE_CHOICES, check_global_balance, install_global_balance
 from .parallel.tiled_loss import install_tiled_loss, tiled_loss_choice, tiled_loss_mode
 from .parallel.tensor_parallel import (
     apply_tensor_parallel,
@@ -140,7 +141,7 @@ class Qwen3_5ModelParallelizer:
         (ValueError with the numbers); 1: every rank holds every expert.
 
         Preconditions: `torch.distributed` is initialised; `model` is a Qwen3.5 model, dense or
-        MoE (the MoE family: no tensor parallelism yet, `parallel.moe`; TypeError otherwise),
+        MoE (TypeError otherwise),
         possibly inside a PEFT LoRA wrapper, not yet sharded; `device_mesh` has a dim (own or
         flattened) named `dp_shard_cp_mesh_name` (ValueError otherwise). The
         `dp_replicate`, `cp` and `tp` dims are optional (absent = size 1); a replicate
@@ -159,7 +160,6 @@ class Qwen3_5ModelParallelizer:
         tiled_loss = tiled_loss_choice(tiled_loss)
         dims = ParallelDims(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, cp_mesh_name, tp_mesh_name)
         tp_size, cp_size = dims.tp_size, dims.cp_size
-        check_moe_layout(parts, cp_size=cp_size, tp_size=tp_size)
         check_expert_parallel(parts, ep=ep, data_ranks=dims.size(dims.dp_shard_cp_name), dp_replicate=dims.dp_replicate,
                               tp_size=tp_size)
         global_balance = moe_balance == "global" and parts.family == "moe"  # dense models have no router
@@ -264,8 +264,8 @@ class Qwen3_5ModelParallelizer:
         the end of backward). Worth it where a collective's latency is large against a
         layer's compute (gloo, small models).
 
-        `expert_mesh` (expert parallelism, `install_expert_parallel` done): each layer's routed
-        experts become a unit of their own over the ranks holding the same experts
+        Routed experts split by `split_experts` (expert parallelism, `expert_mesh` given; or tp)
+        become a unit of their own per layer over the ranks holding the same experts
         (`shard_experts`), before the layer's units.
         """
         _check_choice("fp32_holder_units", fp32_holder_units, FP32_HOLDER_UNITS_CHOICES)
@@ -292,13 +292,15 @@ class Qwen3_5ModelParallelizer:
                            offload_policy=offload_policy or OffloadPolicy())
                 shared_holder_unit = holders[0]
 
-        if expert_mesh is not None:
+        split = [block.experts for block in moe_blocks(parts) if isinstance(block.experts.gate_up_proj, DTensor)]
+        if split:  # by ep (over the ranks holding the same experts) or tp (over the dp ranks)
             shard_experts(
-                [block.experts for block in moe_blocks(parts)],
-                expert_mesh,
+                split,
+                expert_mesh.fsdp if expert_mesh is not None else mesh,
                 mp_policy=policy,
                 offload_policy=offload_policy,
                 reshard_after_forward=reshard_after_forward,
+                divide_by=expert_mesh.data_ranks if expert_mesh is not None else None,
             )
         layer_units = [
             fully_shard_by_dtype(layer, reshard_after_forward=reshard_after_forward, **common)

@@ -1,8 +1,8 @@
-"""Qwen3.5-MoE under the parallelizer (issue 46, slice 2: fp32 gate units and FSDP2, data
-parallelism only): the premise that its GatedDeltaNet is the dense one's code, the fp32 gate
-holder and the tiled loss equal to the unmodified model, FSDP2 at world 2 (the tiled loss by
-default) equal to one process (loss, every gradient, and the experts every token was routed
-to), and cp / tp refused on every rank."""
+"""Qwen3.5-MoE under the parallelizer (issue 46): the premise that its GatedDeltaNet is the
+dense one's code, the fp32 gate holder and the tiled loss equal to the unmodified model, FSDP2
+at world 2 (the tiled loss by default), cp 2, the VLM class, the global router balance and HSDP
+equal to one process (loss, every gradient, and the experts every token was routed to).
+Expert and tensor parallelism: tests/test_moe_ep.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import inspect
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
@@ -41,8 +40,8 @@ def test_the_fp32_gate_holder_on_moe_layers_equals_the_unmodified_model():
     reference = build_tiny_moe_causal_lm(seed=0, output_router_logits=True)
     model = copy.deepcopy(reference)
     assert qwen35_family(model) == "moe" and qwen35_parts(model, families=("dense", "moe")).family == "moe"
-    with pytest.raises(TypeError, match="the MoE family has no tensor parallelism and no plan yet"):
-        qwen35_parts(model)  # the dense-only callers (CP, TP) refuse it
+    with pytest.raises(TypeError, match="the MoE family has no plan yet"):
+        qwen35_parts(model)  # the dense-only callers (plan) refuse it
     assert install_fp32_gate(model) == 2
     assert all(has_fp32_gate(layer.linear_attn) for layer in model.model.layers if hasattr(layer, "linear_attn"))
     assert sorted(model.state_dict()) == sorted(reference.state_dict())
@@ -106,9 +105,7 @@ def _routing(model: torch.nn.Module) -> tuple[list[torch.Tensor], list]:
 
 
 def _dp_worker(rank: int, world: int) -> None:
-    from qwen35_accel import PARALLELIZER
     from qwen35_accel.model.fp32_gate import HOLDER_NAME
-    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
     from test_moe_ep import _parity
 
     # FSDP2 at world 2, every expert on every rank: each rank's rows against one process on
@@ -116,12 +113,6 @@ def _dp_worker(rank: int, world: int) -> None:
     model, _ = _parity(rank, world, ep=1, cp=1, num_experts=6)
     holders = [m for name, m in model.named_modules() if name.endswith(HOLDER_NAME)]
     assert len(holders) == 2 and all(p.dtype == torch.float32 for h in holders for p in h.parameters())
-
-    # Tensor parallelism is not built for the MoE family: refused on every rank.
-    mesh = init_device_mesh("cpu", (1, 1, 1, world), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
-    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    with pytest.raises(NotImplementedError, match=r"\(FSDP2/HSDP, cp, ep\) only so far; tensor parallelism \(tp 2\)"):
-        PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), mesh)
     dist.barrier()
 
 
@@ -130,32 +121,20 @@ def test_fsdp2_on_moe_equals_one_process_with_the_same_routing():
     run_world(_dp_worker, 2)
 
 
-def test_moe_under_tp_is_left_to_accelerate_with_one_line_that_predicts_its_wrap_failure():
-    """The plugin takes a MoE model under data and context parallelism; under tp Accelerate's path runs
-    and the line says so, and names the fsdp_config key where Accelerate's wrap policy would look
-    for a class the model lacks."""
+def test_the_plugin_takes_moe_models_under_every_layout():
+    """Dense or MoE, any parallelism config (before tp: MoE was left to Accelerate's own path)."""
     from types import SimpleNamespace
 
     from accelerate.parallelism_config import ParallelismConfig
-    from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from qwen35_accel.integrations.preparation import _moe_note
     from qwen35_accel.integrations.targets import is_plugin_fsdp2_module
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_moe_causal_lm
 
     model, dense = build_tiny_moe_causal_lm(seed=0), build_tiny_causal_lm(seed=0)
-    for sizes, taken in (({}, True), ({"dp_shard_size": 2}, True), ({"cp_size": 2}, True), ({"tp_size": 2}, False)):
+    for sizes in ({}, {"dp_shard_size": 2}, {"cp_size": 2}, {"tp_size": 2}):
         accelerator = SimpleNamespace(parallelism_config=ParallelismConfig(**sizes) if sizes else None)
-        assert is_plugin_fsdp2_module(model, accelerator) is taken, sizes
-        assert is_plugin_fsdp2_module(dense, accelerator), sizes
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"])
-    note = _moe_note(plugin, model)
-    assert "under data, context and expert parallelism only so far" in note
-    assert "its wrap policy looks for ['Qwen3_5MoeVisionBlock'], which this model lacks" in note
-    assert note.endswith("add `fsdp_transformer_layer_cls_to_wrap: Qwen3_5MoeDecoderLayer` to fsdp_config")
-    plugin.transformer_cls_names_to_wrap = ["Qwen3_5MoeDecoderLayer"]
-    assert "lacks" not in _moe_note(plugin, model)
+        assert is_plugin_fsdp2_module(model, accelerator) and is_plugin_fsdp2_module(dense, accelerator), sizes
+    assert not is_plugin_fsdp2_module(torch.nn.Linear(2, 2), None)
 
 
 def test_a_bf16_load_of_a_moe_checkpoint_gets_its_fp32_gates_back_bitwise(tmp_path):

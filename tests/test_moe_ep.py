@@ -21,29 +21,36 @@ STEPS = 2
 
 
 def _parity(rank: int, world: int, *, ep: int, cp: int, num_experts: int, activation_checkpointing: bool = False,
-            dp_replicate: int = 1):
+            dp_replicate: int = 1, tp: int = 1):
     """`world` ranks, cp `cp`, the rest dp (`dp_replicate` of it replicas: HSDP); each dp rank's
     rows against one process on them (the router's loss per rank: stock's meaning under dp),
     `STEPS` SGD steps. Returns (model, reference). Also test_moe's FSDP2 parity (ep 1)."""
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import shard_batch
     from qwen35_accel.parallel.context_parallel.layout import unshard_sequence
+    from qwen35_accel.parallel.tensor_parallel import clip_grad_norm_, gather_tensor_parallel
     from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, random_batch
     from test_cp_model import cp_mesh
     from test_fsdp_parity import accelerate_style_mesh
+    from test_tensor_parallel import mesh_for
 
     reference = build_tiny_moe_causal_lm(seed=0, output_router_logits=True, num_experts=num_experts)
     model = build_tiny_moe_causal_lm(seed=0, output_router_logits=True, num_experts=num_experts)
-    mesh = cp_mesh(world, cp) if dp_replicate == 1 else accelerate_style_mesh(world, dp_replicate=dp_replicate)
+    if tp > 1:
+        mesh = mesh_for(world, world // cp // tp, cp, tp)
+    else:
+        mesh = cp_mesh(world, cp) if dp_replicate == 1 else accelerate_style_mesh(world, dp_replicate=dp_replicate)
     PARALLELIZER.apply(model, mesh, ep=ep, activation_checkpointing=activation_checkpointing)
     experts = model.model.layers[0].mlp.experts
-    assert experts.num_experts == num_experts // ep and isinstance(experts.gate_up_proj, DTensor)
+    split = max(ep, tp)
+    assert experts.num_experts == num_experts // split and isinstance(experts.gate_up_proj, DTensor)
     if ep > 1:  # this rank's whole experts, a Shard(0) DTensor over ep (FSDP2 shards them over efsdp too)
         weight = experts.gate_up_proj
         assert weight.device_mesh.mesh_dim_names[-1] == "ep" and weight.placements[-1].is_shard(0), weight
     ref_routes, _ = _routing(reference)
     routes, _ = _routing(model)
-    dp = world // cp
+    dp = world // cp // tp
+    replica = rank // (cp * tp)  # Accelerate's mesh order: (dp, cp, tp); a dp rank's cp and tp ranks share its rows
     opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=1.0, momentum=0.9)
     for step in range(STEPS):
@@ -52,7 +59,7 @@ def _parity(rank: int, world: int, *, ep: int, cp: int, num_experts: int, activa
         ref_routes.clear(), routes.clear()
         ref_losses = [reference(**part).loss for part in rows]
         (sum(ref_losses) / dp).backward()
-        mine = rows[rank // cp]
+        mine = rows[replica]
         got = model(**(shard_batch(mine, mesh["cp"]) if cp > 1 else mine))
         layers = len(routes)
         got.loss.backward()
@@ -60,16 +67,24 @@ def _parity(rank: int, world: int, *, ep: int, cp: int, num_experts: int, activa
             recomputed = routes[layers:]
             assert len(recomputed) == layers and all(map(torch.equal, recomputed, routes[layers - 1 :: -1]))
             del routes[layers:]
-        what = f"ep {ep} cp {cp}, rank {rank} step {step}"
-        assert_close(got.loss.detach(), ref_losses[rank // cp].detach(), f"{what}: loss")
-        whole = ref_routes[(rank // cp) * len(routes) : (rank // cp + 1) * len(routes)]
+        what = f"ep {ep} cp {cp} tp {tp}, rank {rank} step {step}"
+        assert_close(got.loss.detach(), ref_losses[replica].detach(), f"{what}: loss")
+        whole = ref_routes[replica * len(routes) : (replica + 1) * len(routes)]
         for layer, (chosen, want) in enumerate(zip(routes, whole)):
             if cp > 1:  # [rows · local seq, k] in chunk order: gathered over cp, in sequence order
                 gathered = [torch.empty_like(chosen) for _ in range(cp)]
                 dist.all_gather(gathered, chosen.contiguous(), group=mesh["cp"].get_group())
                 chosen = unshard_sequence([g.reshape(BATCH_PER_RANK, -1, g.shape[-1]) for g in gathered], cp, seq_dim=1)
             assert torch.equal(chosen.reshape(want.shape), want), f"{what}: layer {layer} routed tokens to other experts"
-        assert assert_grads_match(model, reference) > 0
+        if tp > 1:  # the head-split parameters gathered to Transformers' layout (the experts are DTensors)
+            ref_params = dict(reference.named_parameters())
+            for name, p in model.named_parameters():
+                assert_close(gather_tensor_parallel(model, name, p.grad), ref_params[hf_name(name)].grad, f"{what}: grad of {name}")
+            # The TP gradient norm counts every piece of the experts (FSDP2's _StridedShard over the tp split).
+            want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+            assert_close(clip_grad_norm_(model, 1e9), want, f"{what}: gradient norm")
+        else:
+            assert assert_grads_match(model, reference) > 0
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     return model, reference
 
@@ -80,6 +95,7 @@ def _world2(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_moe_causal_lm
     from test_cp_model import cp_mesh
+    from test_tensor_parallel import mesh_for
 
     model, reference = _parity(rank, world, ep=2, cp=1, num_experts=6, activation_checkpointing=True)
     # A full state dict gathered under ep 2 holds every expert whole, in Transformers' names, and
@@ -99,6 +115,12 @@ def _world2(rank: int, world: int) -> None:
         PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0, num_experts=5), cp_mesh(world, 1), ep=2)
     with pytest.raises(ValueError, match=r"expert parallelism needs a Qwen3.5-MoE model; this one is dense"):
         PARALLELIZER.apply(build_tiny_causal_lm(seed=0), cp_mesh(world, 1), ep=2)
+    with pytest.raises(NotImplementedError, match=r"ep=2 with tp 2: tensor parallelism splits the experts over the tp ranks"):
+        PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), mesh_for(world, 1, 1, 2), ep=2)
+    with pytest.raises(NotImplementedError, match=r"a vocab-parallel lm_head is not built for Qwen3.5-MoE"):
+        PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), mesh_for(world, 1, 1, 2), vocab_parallel_lm_head=True)
+    with pytest.raises(ValueError, match=r"tp size 2 must divide .*num_experts = 5"):
+        PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0, num_experts=5), mesh_for(world, 1, 1, 2))
     dist.barrier()
 
 
@@ -111,11 +133,13 @@ def _world4(rank: int, world: int) -> None:
     _parity(rank, world, ep=2, cp=1, num_experts=6)  # two copies of each expert, FSDP2-sharded over them
     _parity(rank, world, ep=4, cp=1, num_experts=8)  # every rank its own 2 experts
     _parity(rank, world, ep=2, cp=1, num_experts=6, dp_replicate=2)  # HSDP 2 x 2: each replica an ep group
+    _parity(rank, world, ep=1, cp=1, num_experts=6, tp=2)  # dp 2 x tp 2: the tp ranks split the experts whole
+    _parity(rank, world, ep=1, cp=2, num_experts=6, tp=2)  # cp 2 x tp 2
     dist.barrier()
 
 
 @pytest.mark.slow
-def test_ep2_x_cp2_ep2_with_sharded_copies_ep4_and_hsdp_equal_one_process():
+def test_ep2_x_cp2_ep2_with_sharded_copies_ep4_hsdp_and_tp2_equal_one_process():
     run_world(_world4, 4)
 
 

@@ -40,6 +40,8 @@ register(**{
     # Expert parallelism from the knob, the YAML unchanged: ep 2 over cp 2's two ranks (ep x cp at world 2).
     "moe/ep2-cp2": recipe_run("cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *MOE, *RESUME_FROM,
                               setup=save_tiny_moe, env=EP2),
+    # dp 2 x tp 2 (world 4): head-parallel mixers, the shared expert split as an MLP, the routed experts whole over tp.
+    "moe/dp2xtp2": recipe_run("cpu_fsdp2_tp2.yaml", "--per_device_train_batch_size", "2", *MOE, setup=save_tiny_moe),
     # Each one's step-2 checkpoint resumed in the other layout.
     "moe/cp2-from-ep2": recipe_run("cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *MOE,
                                    "--resume_from_checkpoint", "{out:moe/ep2-cp2}/checkpoint-2", setup=save_tiny_moe,
@@ -136,3 +138,14 @@ def test_trl_sft_cli_on_moe_under_cp2_and_ep2_logs_what_one_process_logs(tmp_pat
     assert len(losses) == 4 and losses[-1] < losses[0] and any(e.get("mean_token_accuracy", 0) > 0 for e in logged), logged
     # fp32 rtol 1e-5: the reduction order of cp's per-chunk partial gradients and of the experts' (ep).
     assert_same_log_history(cp2, single, rtol=1e-5, atol=1e-6)
+
+
+@runs("moe/reference", "moe/dp2xtp2")
+def test_a_qwen35_moe_model_under_dp2_x_tp2_trains_as_one_process(launched):
+    """cpu_fsdp2_tp2.yaml (before: Accelerate's own path, Transformers' TP plan, gates as loaded):
+    each tp rank holds half the heads, half the shared expert and 3 of the 6 routed experts."""
+    run, reference = launched("moe/dp2xtp2"), launched("moe/reference")
+    lines = [line for line in run.stderr.splitlines() if PREPARED in line]
+    assert len(lines) == 1 and "Qwen3_5MoeForCausalLM prepared by qwen35_accel" in lines[0] and "tp=2" in lines[0], run.stderr
+    assert "experts: 3 of 6 per rank per layer, split over the tp ranks" in lines[0], lines[0]
+    assert_same_training(run.out, reference.out, rtol=1e-5)

@@ -41,9 +41,6 @@ def prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
             install_fp32_gate(model)
             _note_restored_gates(model)
             _present_layer_classes_only(self.state.fsdp_plugin, model)
-        elif model is not None and is_qwen35_module(model):
-            _refuse_expert_parallelism(model, "tensor parallelism (tp > 1) leaves a Qwen3.5-MoE model to Accelerate's own path")
-            main_process_note(_moe_note(self.state.fsdp_plugin, model))
         result = original(self, *args)
         if model is not None and getattr(model, "_qwen35_accel_prepared", False):
             _register_tensor_parallel_optimizers(model, result if isinstance(result, (tuple, list)) else (result,))
@@ -87,37 +84,6 @@ def _refuse_expert_parallelism(model: nn.Module, why: str) -> None:
             f"here {why}, and {type(model).__name__} would hold every expert on every rank. Launch with an FSDP2 "
             "config without tp (accelerate_configs/cpu_fsdp2.yaml, fsdp2.yaml, fsdp2_cp2.yaml), or unset QWEN35_ACCEL_EP."
         )
-
-
-def _moe_note(plugin: Any, model: nn.Module) -> str:
-    """One line for a Qwen3.5 MoE model the plugin leaves to Accelerate (tensor parallelism: not
-    built for MoE yet, `parallel.moe`): Accelerate's own path, and why it then fails if it will.
-    Not fixed here: stock Accelerate fails the same way with or without qwen35_accel, and the
-    YAML key fixes it.
-    """
-    note = (
-        f"{type(model).__name__} is a Qwen3.5 MoE model: qwen35_accel prepares it under data, context and expert "
-        "parallelism only so far, so with tensor parallelism Accelerate's own FSDP2 path runs (no fp32 gate units, Transformers' TP)"
-    )
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
-    if getattr(plugin, "auto_wrap_policy", None) is not transformer_auto_wrap_policy:  # not TRANSFORMER_BASED_WRAP
-        return note
-    present = {type(m).__name__ for m in model.modules()}
-    names = getattr(plugin, "transformer_cls_names_to_wrap", None)
-    if names is None:  # Accelerate's defaults: the model's _no_split_modules, from 1.16 only those it has
-        names = getattr(model, "_no_split_modules", None) or []
-        if accelerate_keeps_present_wrap_classes_only():
-            names = [n for n in names if n in present]
-    missing = [n for n in names if n not in present]
-    if missing:
-        layers = [n for n in names if n in present] or ["Qwen3_5MoeDecoderLayer"]
-        note += (
-            f"; its wrap policy looks for {missing}, which this model lacks (Transformers lists the vision block in "
-            f"_no_split_modules of the text-only model too), so Accelerate will stop with 'Could not find the "
-            f"transformer layer class': add `fsdp_transformer_layer_cls_to_wrap: {','.join(layers)}` to fsdp_config"
-        )
-    return note
 
 
 def accelerate_keeps_present_wrap_classes_only() -> bool:

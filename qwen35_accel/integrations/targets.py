@@ -21,19 +21,10 @@ def is_qwen35_module(model: Any) -> bool:
     return isinstance(model, nn.Module) and qwen35_family(model) is not None
 
 
-def without_tensor_parallelism(accelerator: Any) -> bool:
-    """Accelerate's parallelism config (if any) has tp 1."""
-    config = getattr(accelerator, "parallelism_config", None)
-    return config is None or getattr(config, "tp_size", 1) == 1
-
-
 def is_plugin_fsdp2_module(model: Any, accelerator: Any) -> bool:
-    """A module the plugin's FSDP2 preparation (and CP) takes over: a dense Qwen3.5, or a
-    Qwen3.5-MoE without tensor parallelism (`parallel.moe`: its tp is not built; that keeps
-    Accelerate's path, Transformers' tp plan). Anything else: Accelerate's."""
-    if is_dense_qwen35_module(model):
-        return True
-    return is_qwen35_module(model) and without_tensor_parallelism(accelerator)
+    """A module the plugin's FSDP2 preparation (and CP, TP) takes over: a Qwen3.5 model of either
+    family, under any layout. Anything else: Accelerate's."""
+    return is_qwen35_module(model)
 
 
 def the_model(args: tuple[Any, ...]) -> nn.Module | None:

@@ -57,7 +57,10 @@ def check_expert_parallel(parts: Qwen35Parts, *, ep: int, data_ranks: int, dp_re
     if parts.family != "moe":
         raise ValueError(f"ep={ep}: expert parallelism needs a Qwen3.5-MoE model; this one is {parts.family} (no experts)")
     if tp_size > 1:
-        raise NotImplementedError(f"ep={ep} with tp {tp_size}: tensor parallelism is not built for the MoE family yet")
+        raise NotImplementedError(
+            f"ep={ep} with tp {tp_size}: tensor parallelism splits the experts over the tp ranks already (whole experts, "
+            "tokens shared); ep across the data-parallel ranks on top of it is not built. Use ep or tp for the experts"
+        )
     num_experts = parts.text_model.config.num_experts
     if num_experts % ep:
         raise ValueError(f"ep={ep} does not divide the model's {num_experts} experts per layer: choose an ep that does")
@@ -129,42 +132,63 @@ def install_expert_parallel(parts: Qwen35Parts, mesh: ExpertMesh) -> list[nn.Mod
     """Split every MoE layer's routed experts over `mesh.ep` and route tokens to them by
     all-to-all (Transformers' `MoEParamShard` and `EpDispatchExpertsParallel`/`AllToAllEP`).
     Before FSDP2, after the fp32 gate holders. Returns the experts modules."""
-    from transformers.distributed.expert_parallel import EpDispatchExpertsParallel, MoEParamShard
-
-    shard = MoEParamShard(Shard(0), shards_expert_dim=True)
-    dispatch = EpDispatchExpertsParallel()
     experts_modules = []
     for block in moe_blocks(parts):
-        experts = block.experts
-        for name in EXPERT_WEIGHTS:
-            shard.shard_param(experts, name, mesh.ep)  # this rank's whole experts, no communication
-        dispatch.install_forward(experts, mesh.ep, tp_mesh=mesh.batch, ep_implementation=EP_IMPLEMENTATION)
-        setattr(experts, EXPERT_MESH_ATTR, mesh)
-        experts_modules.append(experts)
+        split_experts(block.experts, mesh.ep, batch=mesh.batch, implementation=EP_IMPLEMENTATION)
+        setattr(block.experts, EXPERT_MESH_ATTR, mesh)
+        experts_modules.append(block.experts)
     return experts_modules
+
+
+def split_experts(experts: nn.Module, mesh: DeviceMesh, *, batch: DeviceMesh, implementation: str) -> None:
+    """Hold `experts`' weights as `Shard(0)` DTensors over `mesh` (this rank's whole experts, sliced
+    locally: the same weights on every rank, nothing communicated; `num_experts` the local count)
+    and reach them through Transformers' `EPImplementation` named `implementation` ("all_to_all":
+    tokens to their experts' ranks; "all_reduce": the ranks of `mesh` share one batch, `batch` is
+    `mesh`, each runs its experts on every token and the outputs are summed)."""
+    from transformers.distributed.expert_parallel import MoEParamShard
+
+    shard = MoEParamShard(Shard(0), shards_expert_dim=True)
+    for name in EXPERT_WEIGHTS:
+        shard.shard_param(experts, name, mesh)
+    dispatch_experts(experts, mesh, batch=batch, implementation=implementation)
+
+
+def dispatch_experts(experts: nn.Module, mesh: DeviceMesh, *, batch: DeviceMesh, implementation: str) -> None:
+    """Route `experts`' tokens through Transformers' `EPImplementation` named `implementation` over
+    `mesh` (see `split_experts`); the module holds its local experts already (`num_experts` the local
+    count, `_is_expert_parallel` set), as DTensors over `mesh` or as plain local slices."""
+    from transformers.distributed.expert_parallel import EpDispatchExpertsParallel
+
+    EpDispatchExpertsParallel().install_forward(experts, mesh, tp_mesh=batch, ep_implementation=implementation)
 
 
 def shard_experts(
     experts_modules: list[nn.Module],
-    mesh: ExpertMesh,
+    mesh: DeviceMesh,
     *,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy | None,
     reshard_after_forward: bool | int | None,
+    divide_by: int | None = None,
 ) -> list[FSDPModule]:
-    """One FSDP2 unit per experts module over the ranks holding the same experts (`mesh.fsdp`),
-    its gradients divided by every data-parallel rank (`mesh.data_ranks`), not by its own
-    group's size: each rank's expert gradient already sums an `ep` group's tokens."""
+    """One FSDP2 unit per experts module split by `split_experts` (its weights DTensors over ep or
+    tp), over `mesh`: the ranks holding the same experts (the last dim shards, a first one
+    replicates: HSDP). `divide_by` (expert parallelism): the gradients are divided by every
+    data-parallel rank, not by `mesh`'s size: each rank's expert gradient already sums an `ep`
+    group's tokens. None: FSDP2's average over `mesh` (tp: each rank's experts saw its dp rank's
+    tokens only)."""
     units = []
     for experts in experts_modules:
-        unit = shard_unit(experts, mesh=mesh.fsdp, mp_policy=mp_policy, offload_policy=offload_policy or OffloadPolicy(),
+        unit = shard_unit(experts, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy or OffloadPolicy(),
                           reshard_after_forward=reshard_after_forward)
-        unit.set_gradient_divide_factor(float(mesh.data_ranks))
-        if mesh.efsdp_size > 1:
-            # A factor other than the group size is a PREMUL_SUM, which gloo rejects (and NCCL
-            # bf16 got wrong up to torch 2.13): sum, then divide locally. With no reduce-scatter
-            # (efsdp 1) FSDP2 divides in its copy, and a forced sum would divide twice.
-            unit.set_force_sum_reduction_for_comms(True)
+        if divide_by is not None:
+            unit.set_gradient_divide_factor(float(divide_by))
+            if mesh.size(mesh.ndim - 1) > 1:
+                # A factor other than the group size is a PREMUL_SUM, which gloo rejects (and NCCL
+                # bf16 got wrong up to torch 2.13): sum, then divide locally. With no reduce-scatter
+                # (a shard dim of 1) FSDP2 divides in its copy, and a forced sum would divide twice.
+                unit.set_force_sum_reduction_for_comms(True)
         units.append(unit)
     return units
 
@@ -174,6 +198,11 @@ def describe_experts(model: nn.Module) -> str:
     every expert)" or "ep=2 (experts: 3 of 6 per rank per layer, all-to-all; FSDP2 over 1)"."""
     experts = next((m for m in model.modules() if isinstance(getattr(m, EXPERT_MESH_ATTR, None), ExpertMesh)), None)
     if experts is None:
+        split = next((m for m in model.modules() if getattr(m, "_is_expert_parallel", False)), None)
+        if split is not None:  # tensor parallelism split them (`tensor_parallel.apply_tensor_parallel`)
+            total = model.config.get_text_config().num_experts
+            return (f"ep=1 (experts: {split.num_experts} of {total} per rank per layer, split over the tp ranks, "
+                    "which share the tokens)")
         return "ep=1 (every rank holds every expert)"
     mesh: ExpertMesh = getattr(experts, EXPERT_MESH_ATTR)
     units = mesh.fsdp.size()

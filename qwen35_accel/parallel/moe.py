@@ -4,8 +4,9 @@ Slices 2 and 3 of the design: fp32 gate holders and dtype-uniform FSDP2 units pe
 layer (the router and the 3-D experts in the layer's unit), activation checkpointing and
 offload, data parallelism (FSDP2, HSDP), context parallelism (the dense CP layers; the router's
 load-balancing loss from its three sums reduced over the cp group, `router_balance_loss`), the
-tiled loss; the causal LM and the VLM class alike. Expert parallelism: `parallel.expert_parallel`.
-Tensor parallelism is refused on every rank with the reason until its slice lands.
+tiled loss; the causal LM and the VLM class alike. Expert parallelism: `parallel.expert_parallel`;
+tensor parallelism (head-parallel mixers, the shared expert as an MLP, the routed experts whole
+over the tp ranks): `parallel.tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -15,26 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..model.detect import Qwen35Parts
 
 # How the router's load-balancing loss counts tokens: "rank" — each data-parallel rank's own
 # (Transformers' meaning; whole rows under cp), "global" — every data-parallel rank's (the
 # global batch, Qwen's recipe): its sums all-reduced over dp_shard × cp.
 BALANCE_CHOICES: tuple[str, ...] = ("rank", "global")
 BALANCE_GROUP_ATTR = "_qwen35_moe_balance_group"  # on the model: the group "global" reduces over
-
-
-def check_moe_layout(parts: Qwen35Parts, *, cp_size: int, tp_size: int) -> None:
-    """Raise (the same on every rank: sizes and classes only) where the MoE family asks for
-    what is not built yet. No-op for the dense family."""
-    if parts.family != "moe":
-        return
-    if tp_size > 1:
-        raise NotImplementedError(
-            f"qwen35_accel prepares Qwen3.5-MoE models with data, context and expert parallelism (FSDP2/HSDP, cp, ep) only so "
-            f"far; tensor parallelism (tp {tp_size}) is not built for them yet (docs/moe_design.md). Use tp 1 with "
-            "the MoE family, or the dense family for tensor parallelism."
-        )
 
 
 def check_global_balance(*, dp_replicate: int) -> None:

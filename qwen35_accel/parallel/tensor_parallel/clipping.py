@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .layout import tensor_parallel_group, tensor_parallel_sliced
 
@@ -48,7 +49,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     for like, acc in layouts.values():
         if like is not None:
             for dim, placement in enumerate(like.placements):
-                if placement.is_shard():
+                # FSDP2 over an already split dim (experts split over ep or tp) is a _StridedShard,
+                # which is not `is_shard()`: its pieces must be summed too.
+                if placement.is_shard() or isinstance(placement, _StridedShard):
                     dist.all_reduce(acc, op=op, group=like.device_mesh.get_group(dim))
         totals.append(acc)
     stacked = torch.stack(totals)

@@ -20,11 +20,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers.activations import ACT2FN
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
-from ...model.detect import qwen35_parts
+from ...model.detect import FAMILIES, qwen35_parts
 from ...model.fp32_gate import HOLDER_NAME
 from ...model.hub_kernels import swap_class
 from ..collectives import copy_to_group, reduce_from_group
+from ..expert_parallel import dispatch_experts
 from ..losses import VOCAB_GROUP_ATTR, VocabParallelCausalLMLoss
 from .layout import _COLS, LAYOUTS_ATTR, TP_GROUP_ATTR, _rows, _Sliced
 from .state_dict import _gather_hook, _slice_hook
@@ -56,14 +58,18 @@ class TensorParallelRMSNormGated(hf.Qwen3_5RMSNormGated):
 
 
 def check_divisible(config: Any, tp: int) -> None:
-    """ValueError naming every head count (and the MLP width) that tp does not divide."""
+    """ValueError naming every head count (and the MLP width; for MoE the experts and the
+    shared expert's width) that tp does not divide."""
     counts = {
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "linear_num_key_heads": config.linear_num_key_heads,
         "linear_num_value_heads": config.linear_num_value_heads,
-        "intermediate_size": config.intermediate_size,
     }
+    if getattr(config, "num_experts", None):  # Qwen3.5-MoE: experts split whole, the shared expert as an MLP
+        counts.update(num_experts=config.num_experts, shared_expert_intermediate_size=config.shared_expert_intermediate_size)
+    else:
+        counts["intermediate_size"] = config.intermediate_size
     bad = {name: n for name, n in counts.items() if n % tp}
     if bad:
         common = math.gcd(*counts.values())
@@ -90,10 +96,15 @@ def check_no_cpu_offload(offload_policy: Any, tp: int) -> None:
 
 
 def _layouts(layer: nn.Module, config: Any) -> dict[str, _Sliced]:
-    """{parameter path inside the decoder layer: how it is split} for one layer."""
-    out: dict[str, _Sliced] = {"mlp.gate_proj.weight": _rows(config.intermediate_size),
-                               "mlp.up_proj.weight": _rows(config.intermediate_size),
-                               "mlp.down_proj.weight": _COLS}
+    """{parameter path inside the decoder layer: how it is split} for one layer (a MoE layer: the
+    shared expert as the dense MLP; the routed experts whole, `num_experts / tp` consecutive ones
+    per rank: their weights' first dim split as rows)."""
+    mlp, width = ("mlp.shared_expert", config.shared_expert_intermediate_size) if _is_moe(layer) else ("mlp", config.intermediate_size)
+    out: dict[str, _Sliced] = {f"{mlp}.gate_proj.weight": _rows(width),
+                               f"{mlp}.up_proj.weight": _rows(width),
+                               f"{mlp}.down_proj.weight": _COLS}
+    if _is_moe(layer):
+        out.update({"mlp.experts.gate_up_proj": _rows(config.num_experts), "mlp.experts.down_proj": _rows(config.num_experts)})
     if layer.block_type == "linear_attention":
         gdn = layer.linear_attn
         qkv = [gdn.key_dim, gdn.key_dim, gdn.value_dim]
@@ -211,7 +222,8 @@ def _split_module(module: nn.Module, layouts: dict[str, _Sliced], tp_mesh: Devic
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
-    """Split a dense Qwen3.5 model's decoder layers by heads over `tp_mesh`, in place.
+    """Split a Qwen3.5 model's decoder layers by heads over `tp_mesh`, in place (MoE: the shared
+    expert as the dense MLP, the routed experts whole over the tp ranks, `expert_parallel.dispatch_experts`).
 
     PEFT LoRA layers are split with their base (`_with_adapters`); DoRA, `lora_bias` and
     other PEFT tuners raise NotImplementedError naming the layer.
@@ -220,7 +232,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
     objects: build the optimizer afterwards. Returns the number of layers split.
     Raises ValueError naming every head count the tp size does not divide.
     """
-    parts = qwen35_parts(model)
+    parts = qwen35_parts(model, families=FAMILIES)
     config = model.config.get_text_config()
     tp = tp_mesh.size()
     group = tp_mesh.get_group()
@@ -246,12 +258,33 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
             mixer = layer.self_attn
             norms = [mixer.q_norm, mixer.k_norm]
         for norm in norms:
-            swap_class(norm, TensorParallelRMSNormGated if isinstance(norm, hf.Qwen3_5RMSNormGated) else TensorParallelRMSNorm)
+            # The MoE family's norms are the dense ones' code (tests/test_moe.py holds that premise).
+            gated = isinstance(norm, (hf.Qwen3_5RMSNormGated, hf_moe.Qwen3_5MoeRMSNormGated))
+            swap_class(norm, TensorParallelRMSNormGated if gated else TensorParallelRMSNorm)
             setattr(norm, TP_GROUP_ATTR, group)
-        for block in (mixer, layer.mlp):
+        # A MoE layer's f/g wrap the shared expert only: its router and the shared expert's gate run
+        # whole on every rank (full gradients), its routed experts are split whole (`_split_experts`).
+        mlp = layer.mlp.shared_expert if _is_moe(layer) else layer.mlp
+        for block in (mixer, mlp):
             block.register_forward_pre_hook(_input_hook(group), with_kwargs=True)
             block.register_forward_hook(_output_hook(group), with_kwargs=True)
+        if _is_moe(layer):
+            # The routed experts whole over the tp ranks, which hold the same tokens: each runs its
+            # experts (sliced above: plain tensors like every TP slice here, so the gradient norm,
+            # checkpoints and FSDP2 units treat them as the others) on all of them, the routes to
+            # other ranks' masked, and Transformers' AllReduceEP sums the outputs with one
+            # all-reduce (in backward the tokens' and routing weights' gradients); the output
+            # enters the layer whole, as the router's.
+            experts = layer.mlp.experts
+            experts.num_experts //= tp
+            experts._is_expert_parallel = True  # Transformers' flag: the experts forward masks other ranks' routes
+            dispatch_experts(experts, tp_mesh, batch=tp_mesh, implementation="all_reduce")
     return len(parts.decoder_layers)
+
+
+def _is_moe(layer: nn.Module) -> bool:
+    """A Qwen3.5-MoE decoder layer: its MLP is a sparse block (router, routed experts, shared expert)."""
+    return hasattr(getattr(layer, "mlp", None), "experts")
 
 
 # ------------------------------------------------------------------ vocab-parallel lm_head
@@ -259,8 +292,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
 
 def check_vocab_parallel(model: nn.Module, tp: int) -> None:
     """ValueError if the lm_head cannot be split by vocab over `tp` ranks (tied to the
-    input embedding, or a vocab size tp does not divide)."""
-    parts = qwen35_parts(model)
+    input embedding, or a vocab size tp does not divide); NotImplementedError for Qwen3.5-MoE."""
+    parts = qwen35_parts(model, families=FAMILIES)
+    if parts.family == "moe":
+        raise NotImplementedError(
+            "a vocab-parallel lm_head is not built for Qwen3.5-MoE models (the router's loss beside the vocab slices); "
+            "leave QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD / vocab_parallel_lm_head off"
+        )
     weight = parts.lm_head.weight
     if weight is parts.embed_tokens.weight:
         raise ValueError(

@@ -117,6 +117,15 @@ def _world2(rank: int, world: int) -> None:
         PARALLELIZER.apply(build_tiny_causal_lm(seed=0), cp_mesh(world, 1), ep=2)
     with pytest.raises(NotImplementedError, match=r"ep=2 with tp 2: tensor parallelism splits the experts over the tp ranks"):
         PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), mesh_for(world, 1, 1, 2), ep=2)
+    # GRPO/RLOO's patch points on a MoE model under cp: refused, where a dense model gets its replicas.
+    from types import SimpleNamespace
+
+    from qwen35_accel.integrations.trl_sampling import _applies
+
+    under_cp = SimpleNamespace(torch_device_mesh=cp_mesh(world, 2))
+    assert _applies(SimpleNamespace(model=build_tiny_causal_lm(seed=0), accelerator=under_cp)) is not None
+    with pytest.raises(NotImplementedError, match=r"\(GRPO/RLOO\) on a Qwen3.5-MoE model under cp or tp is not built"):
+        _applies(SimpleNamespace(model=build_tiny_moe_causal_lm(seed=0), accelerator=under_cp))
     with pytest.raises(NotImplementedError, match=r"a vocab-parallel lm_head is not built for Qwen3.5-MoE"):
         PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), mesh_for(world, 1, 1, 2), vocab_parallel_lm_head=True)
     with pytest.raises(ValueError, match=r"tp size 2 must divide .*num_experts = 5"):

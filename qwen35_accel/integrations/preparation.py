@@ -21,7 +21,7 @@ from torch import nn
 from .compilation import compile_prepared, take_over_compile
 from .notices import main_process_note
 from .settings import PluginSettings, check_same_on_every_rank
-from .targets import is_dense_qwen35_module, is_plugin_fsdp2_module, is_qwen35_module, the_model
+from .targets import is_plugin_fsdp2_module, is_qwen35_module, the_model
 
 logger = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ def prepare_tp(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any) -> Any:
         model = the_model(args)
-        if model is not None and is_dense_qwen35_module(model):
+        if model is not None and is_plugin_fsdp2_module(model, self):
             if not self.is_fsdp2:
                 raise ValueError("tensor parallelism for Qwen3.5 runs with FSDP2 (fsdp_version: 2 in the config)")
             # Accelerate's TP path expects Transformers to have sharded the model at load

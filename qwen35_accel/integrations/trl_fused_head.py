@@ -144,7 +144,8 @@ def trl_add_fused_lm_head(original: Callable[..., Any]) -> Callable[..., Any]:
             return
         moe = not is_dense_qwen35_module(model)
         trl_forward = model.forward
-        add_whole_rows_hook(model)
+        if not moe:  # MoE: whole-row calls (DPO, KTO) under cp stay refused by the CP pre-hook (shift_labels)
+            add_whole_rows_hook(model)
 
         @functools.wraps(type(model).forward)
         def forward(

@@ -137,12 +137,19 @@ def replica_view(trainer: Any, active: Replicas) -> Iterator[None]:
 
 
 def _applies(trainer: Any) -> Replicas | None:
-    from .targets import is_dense_qwen35_module
+    from .targets import is_dense_qwen35_module, is_qwen35_module
 
     model = getattr(trainer, "model", None)
-    if model is None or not is_dense_qwen35_module(model):
+    if model is None or not is_qwen35_module(model):
         return None
-    return replicas(getattr(trainer, "accelerator", None))
+    found = replicas(getattr(trainer, "accelerator", None))
+    if found is not None and not is_dense_qwen35_module(model):
+        raise NotImplementedError(
+            f"{type(trainer).__name__} (GRPO/RLOO) on a Qwen3.5-MoE model under cp or tp is not built in qwen35_accel: "
+            "its generation and log-probs would run on each rank's chunks or heads without the replica handling dense "
+            "models get, and the router's loss would count chunks. Use data parallelism alone (FSDP2, ep) for RL on MoE."
+        )
+    return found if is_dense_qwen35_module(model) else None
 
 
 def trl_replica_view(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -301,3 +301,57 @@ def test_env_with_an_unsupported_accelerate_says_why_the_plugin_is_off(monkeypat
     assert report["versions_ok"] == {"torch": True, "transformers": True, "accelerate": False}
     assert "accelerate    1.14.0       UNSUPPORTED" in out
     assert f"plugin: NOT ACTIVE: accelerate 1.14.0 is outside the plugin's tested range {plugin.TESTED_ACCELERATE}" in out
+
+
+def _cp8_yaml(tmp_path: Path, offload: bool) -> Path:
+    """fsdp2_cp2.yaml at cp 8 (dp_shard 1, 8 GPUs) with activation checkpointing (and offload)."""
+    yaml = (CONFIGS / "fsdp2_cp2.yaml").read_text().replace("parallelism_config_dp_shard_size: 4", "parallelism_config_dp_shard_size: 1")
+    yaml = yaml.replace("parallelism_config_cp_size: 2", "parallelism_config_cp_size: 8")
+    yaml = yaml.replace("fsdp_activation_checkpointing: false", "fsdp_activation_checkpointing: true\n"
+                        f"  fsdp_activation_checkpointing_offload: {str(offload).lower()}")
+    path = tmp_path / f"cp8_offload_{offload}.yaml"
+    path.write_text(yaml)
+    return path
+
+
+def test_plan_knows_moe_a_million_tokens_of_35b_a3b_on_8_h200_with_ep_and_offload(tmp_path):
+    """Transformers' default Qwen3.5-MoE text config is Qwen3.5-35B-A3B's shape (256 experts, top 8,
+    40 layers, hidden 2048). At 1,048,576 tokens per row on 8 × H200 (cp 8, checkpointing): the plan
+    lists each layer's experts as a unit of their own under QWEN35_ACCEL_EP=8, says what a rank
+    computes with, and fits with activation offload (suggested where it is off); ep 8 gathers 1/8
+    of a layer's experts, so it needs less than ep 1; where only a larger ep fits, --suggest names
+    the smallest."""
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    config = Qwen3_5MoeTextConfig(dtype="bfloat16", tie_word_embeddings=False)
+    config.architectures = ["Qwen3_5MoeForCausalLM"]
+    config.save_pretrained(tmp_path / "model")
+    seq = str(1 << 20)
+
+    def planned(ep: int, offload: bool, memory: str = "141GB") -> dict:
+        return cli("plan", "--model", str(tmp_path / "model"), "--config", str(_cp8_yaml(tmp_path, offload)), "--seq-len", seq,
+                   "--gpu-memory", memory, "--suggest", env={"QWEN35_ACCEL_EP": str(ep)})
+
+    ep8, ep1 = planned(8, False), planned(1, False)
+    assert ep8["architecture"] == "Qwen3_5MoeForCausalLM" and ep8["mesh"]["cp"] == 8
+    assert ep8["experts"] == {"per_layer": 256, "per_token": 8, "ep": 8, "efsdp": 1}
+    assert [u["modules"] for u in ep8["layers"][0]["units"]][-1] == ["model.layers.0.mlp.experts"]
+    assert not any(u["modules"] == ["model.layers.0.mlp.experts"] for u in ep1["layers"][0]["units"])
+    # The same shards either way; ep gathers a layer's 32 experts instead of 256 (bf16: 1.4 GiB less per
+    # layer in flight, 4 in backward with the unsharded gradient), less the combine buffer of the
+    # recomputed layer (its 131,072 tokens × 8 returned rows, 4 GiB).
+    assert ep8["memory_per_rank"]["parameters"] == ep1["memory_per_rank"]["parameters"]
+    experts, returned = 3 * 256 * 512 * 2048 * 7 // 8, (1 << 17) * 8 * (2048 * 2 + 8)
+    saved = experts * (3 * 2 + 2 + 4) - returned
+    assert ep1["memory_per_rank"]["transient"] - ep8["memory_per_rank"]["transient"] == saved
+    assert not ep8["fits"] and ep8["suggested_offload"]["total"] <= 141e9
+    with_offload = planned(8, True)
+    assert with_offload["fits"] and with_offload["memory_per_rank"]["total"] <= 141e9
+    # Between ep 1's and ep 8's totals with offload, ep 1 does not fit and --suggest names the smallest ep that does.
+    low, high = planned(1, True)["memory_per_rank"]["total"], with_offload["memory_per_rank"]["total"]
+    budget = (low + high) // 2
+    tight = planned(1, True, f"{budget}B")
+    assert not tight["fits"] and tight["suggested_ep"] in (2, 4, 8)
+    assert planned(tight["suggested_ep"], True, f"{budget}B")["fits"]
+    if tight["suggested_ep"] > 2:
+        assert not planned(tight["suggested_ep"] // 2, True, f"{budget}B")["fits"]

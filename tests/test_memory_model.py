@@ -227,6 +227,48 @@ def test_a_gated_delta_net_layer_keeps_what_torch_kernels_are_predicted_to_keep(
             assert abs(want / got - 1) <= ACTIVATION_TOLERANCE, (k_heads, seq, dtype, want, got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_moe_layer_keeps_what_its_sparse_block_is_predicted_to_keep(dtype):
+    """One Qwen3.5-MoE decoder layer of the unmodified model, alone (Transformers' experts loop,
+    the routing its router makes): at two shapes, one where 2 × I is not the hidden size, and
+    with the router's logits recorded for the load-balancing loss (kept beside the layer)."""
+    from qwen35_accel.memory import activations, layer_activations
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, tiny_moe_text_config
+
+    for moe in (dict(moe_intermediate_size=40, shared_expert_intermediate_size=24, num_experts=8, num_experts_per_tok=2),
+                dict(moe_intermediate_size=24, shared_expert_intermediate_size=64, num_experts=6, num_experts_per_tok=3)):
+        shape = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                     linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                     linear_conv_kernel_dim=4, vocab_size=64, layer_types=["linear_attention"], **moe)
+        layer = build_tiny_moe_causal_lm(seed=0, dtype=dtype, **shape).model.layers[0]
+        rows, seq = 2, 136
+        hidden = torch.randn(rows, seq, 64, dtype=dtype, requires_grad=True)
+        _, got = saved_storage_bytes(lambda: layer(hidden, position_embeddings=None), exclude=list(layer.parameters()))
+        options = StepOptions(seq_len=seq, batch_size=rows, compute_bytes=dtype.itemsize, param_bytes=dtype.itemsize, device="cpu")
+        config = tiny_moe_text_config(**shape)
+        want = layer_activations(ModelShape.from_config(config), "linear_attention", Parallel(), options)
+        assert abs(want / got - 1) <= ACTIVATION_TOLERANCE, (moe, dtype, want, got)
+        config.output_router_logits = True  # + every layer's [tokens, E] logits in the compute dtype
+        kept = activations(ModelShape.from_config(config), Parallel(), options) - activations(ModelShape.from_config(
+            tiny_moe_text_config(**shape)), Parallel(), options)
+        assert kept == rows * seq * moe["num_experts"] * dtype.itemsize
+
+
+def test_moe_experts_are_held_in_the_same_shards_with_ep_and_gathered_by_the_ep_rank_only():
+    """A rank holds 1/(dp_shard · cp · tp) of the routed experts with or without ep (FSDP2 shards
+    dp's experts too; ep × efsdp is dp_shard × cp); ep shrinks what a layer gathers to compute."""
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, tiny_moe_text_config
+
+    shape = ModelShape.from_config(tiny_moe_text_config(num_experts=8))
+    options = StepOptions(seq_len=256, device="cpu", compute_bytes=4, param_bytes=4)
+    dp, ep = estimate(shape, Parallel(dp_shard=8), options), estimate(shape, Parallel(dp_shard=8, ep=8), options)
+    assert dp.parameters == ep.parameters and dp.optimizer_states == ep.optimizer_states
+    experts = shape.expert_parameters() * 4
+    assert (dp.transient - ep.transient) >= experts * 7 / 8 * 3  # the running and prefetched layers' experts
+    model = build_tiny_moe_causal_lm(seed=0, num_experts=8)
+    assert shape.parameters() == sum(p.numel() for p in model.parameters())
+
+
 def _measured_loss_peak(mode: str, dtype: torch.dtype, tokens: int, hidden: int, vocab: int, block: tuple[int, int]) -> int:
     """Peak bytes of one lm_head + cross entropy step (forward, backward) above what existed
     before it: every tensor's storage from allocation to release (torch's MemTracker). The

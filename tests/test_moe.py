@@ -40,8 +40,8 @@ def test_the_fp32_gate_holder_on_moe_layers_equals_the_unmodified_model():
     reference = build_tiny_moe_causal_lm(seed=0, output_router_logits=True)
     model = copy.deepcopy(reference)
     assert qwen35_family(model) == "moe" and qwen35_parts(model, families=("dense", "moe")).family == "moe"
-    with pytest.raises(TypeError, match="the MoE family has no plan yet"):
-        qwen35_parts(model)  # the dense-only callers (plan) refuse it
+    with pytest.raises(TypeError, match="the MoE family has no vocab-parallel lm_head"):
+        qwen35_parts(model)  # the dense-only callers (the vocab-parallel lm_head) refuse it
     assert install_fp32_gate(model) == 2
     assert all(has_fp32_gate(layer.linear_attn) for layer in model.model.layers if hasattr(layer, "linear_attn"))
     assert sorted(model.state_dict()) == sorted(reference.state_dict())

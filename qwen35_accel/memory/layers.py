@@ -22,6 +22,37 @@ def _mlp(shape: ModelShape, tokens: int, c: int, tp: int) -> int:
     return tokens * shape.hidden * c + 4 * tokens * (shape.intermediate // tp) * c
 
 
+def _moe_block(shape: ModelShape, tokens: int, c: int, parallel: Parallel) -> int:
+    """A MoE layer's sparse block (Transformers' experts loop), this rank's share.
+
+    Per token: the input (c), kept by the router, the shared expert and its gate; the router's
+    fp32 probabilities [E] and its top-k ids (int64) and weights (fp32); the shared expert as an
+    MLP of its width (split by tp) and its output (c); its gate's logit and sigmoid (c). Per
+    (token, expert) pair this rank's experts run: the gathered input row, the expert's output
+    before and after the routing weight (3 × hidden, c), gate_up's output (2 × I), the SiLU and
+    the product (I each); the routing weight (c) and two int64 indices. Pairs per rank: every
+    pair under dp (N·k); under tp each rank runs its experts over the shared tokens (N·k / tp,
+    balanced routing), masking the others' routes (a bool per route); under ep the pairs its
+    experts receive (N·k, balanced) and, for its own pairs, the returned rows the routing weights
+    multiply (hidden, c) with their order (int64). Measured equal (fp32) and within 0.1 % (bf16)
+    in one process (tests/test_memory_model.py)."""
+    h, e, k = shape.hidden, shape.experts, shape.experts_per_token
+    pairs = tokens * k
+    total = 2 * tokens * h * c + tokens * e * 4 + tokens * k * 12 + 2 * tokens * c
+    total += 4 * tokens * (shape.shared_intermediate // parallel.tp) * c
+    per_pair = (3 * h + 4 * shape.expert_intermediate) * c + 16 + c
+    if parallel.tp > 1:
+        return total + pairs // parallel.tp * per_pair + pairs
+    if parallel.ep > 1:
+        return total + pairs * per_pair + pairs * (h * c + 8)
+    return total + pairs * per_pair
+
+
+def _feed_forward(shape: ModelShape, tokens: int, c: int, parallel: Parallel) -> int:
+    """A decoder layer's MLP: the dense one, or a MoE layer's sparse block."""
+    return _moe_block(shape, tokens, c, parallel) if shape.experts else _mlp(shape, tokens, c, parallel.tp)
+
+
 def torch_gated_delta_rule(
     rows: int, length: int, v_heads: int, k_dim: int, v_dim: int, *, strided: bool = False, conv_value: bool = False
 ) -> int:
@@ -138,7 +169,7 @@ def layer_activations(shape: ModelShape, kind: str, parallel: Parallel, options:
         mixer = _gated_delta_net(shape, rows, tokens, c, parallel, options.fla and options.device == "cuda")
     else:
         mixer = _attention(shape, rows, tokens, c, parallel, options.device)
-    return mixer + _mlp(shape, tokens, c, parallel.tp) + _norms_and_residuals(shape, tokens)
+    return mixer + _feed_forward(shape, tokens, c, parallel) + _norms_and_residuals(shape, tokens)
 
 
 # With activation offload, the layer inputs on the device at once: the one being copied out (its
@@ -169,6 +200,8 @@ def activations(shape: ModelShape, parallel: Parallel, options: StepOptions) -> 
     outside = 8 * tokens + _rms_norm(tokens, shape.hidden)  # token ids, the final norm
     if shape.full_layers:
         outside += 2 * tokens * shape.rotary_dim * c  # cos and sin, shared by the attention layers
+    if shape.router_loss:  # every layer's router logits, recorded for the load-balancing loss
+        outside += shape.layers * tokens * shape.experts * c
     if options.activation_checkpointing:  # what each checkpoint holds: the layer's input, the positions
         held = OFFLOAD_IN_FLIGHT if options.activation_offload else shape.layers
         return outside + held * tokens * shape.hidden * c + 8 * tokens

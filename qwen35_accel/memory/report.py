@@ -41,9 +41,25 @@ def suggest_cp(
     for cp in range(1, budget + 1):
         if budget % cp or options.seq_len % (2 * cp if cp > 1 else 1):
             continue
-        candidate = Parallel(parallel.dp_replicate, budget // cp, cp, parallel.tp, parallel.vocab_parallel_lm_head)
+        ep = parallel.ep if budget % parallel.ep == 0 else 1  # ep is carved out of dp_shard × cp: unchanged by cp
+        candidate = Parallel(parallel.dp_replicate, budget // cp, cp, parallel.tp, parallel.vocab_parallel_lm_head, ep)
         if step_estimate(shape, candidate, checkpointed, vision).total <= gpu_bytes:
             return cp
+    return None
+
+
+def suggest_ep(shape: ModelShape, parallel: Parallel, options: StepOptions, gpu_bytes: int) -> int | None:
+    """A MoE model's smallest ep above the configured one whose plan fits `gpu_bytes` at this mesh
+    (ep must divide the experts and dp_shard × cp; not with tp), or None (dense, tp, or none fits).
+    ep shrinks the experts a layer gathers to compute, not the shards a rank holds."""
+    if not shape.experts or parallel.tp > 1:
+        return None
+    for ep in range(parallel.ep + 1, parallel.fsdp_shards + 1):
+        if shape.experts % ep or parallel.fsdp_shards % ep:
+            continue
+        candidate = Parallel(parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp, parallel.vocab_parallel_lm_head, ep)
+        if step_estimate(shape, candidate, options).total <= gpu_bytes:
+            return ep
     return None
 
 
@@ -91,6 +107,8 @@ def memory_report(
         report.update(gpu_memory_bytes=gpu_bytes, fits=per_rank["total"] <= gpu_bytes, margin_bytes=gpu_bytes - per_rank["total"])
         if suggest:
             report["suggested_cp"] = suggest_cp(shape, parallel, options, gpu_bytes, vision)
+            if shape.experts and per_rank["total"] > gpu_bytes:
+                report["suggested_ep"] = suggest_ep(shape, parallel, options, gpu_bytes)
             if per_rank["total"] > gpu_bytes and not options.activation_offload:
                 # Offload where the run as configured does not fit: checkpointing with its inputs on the host.
                 offloaded = step_estimate(shape, parallel, _replace(options, activation_checkpointing=True,
@@ -140,6 +158,10 @@ def describe(report: dict[str, Any], gpus: int) -> list[str]:
             f"  suggested: cp {cp} with activation checkpointing (the smallest that fits; dp_shard takes the rest of the {gpus} GPUs)" if cp
             else f"  suggested: none: no cp on {gpus} GPUs fits, even with activation checkpointing"
         )
+    if "suggested_ep" in report:
+        ep = report["suggested_ep"]
+        lines.append(f"  suggested: QWEN35_ACCEL_EP={ep} at this mesh (each rank gathers 1/{ep} of a layer's experts)" if ep
+                     else "  suggested: no ep fits at this mesh")
     if report.get("suggested_offload"):
         s = report["suggested_offload"]
         lines.append(f"  suggested: activation offload (fsdp_activation_checkpointing and fsdp_activation_checkpointing_offload: "

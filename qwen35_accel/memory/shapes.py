@@ -16,7 +16,11 @@ DEFAULT_LOSS_TILE_BYTES = 2**28  # fp32 logits per loss tile: at most 256 MiB (t
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a dense Qwen3.5 text model that memory depends on."""
+    """The sizes of a Qwen3.5 text model that memory depends on. A MoE model (`experts` > 0)
+    has no dense MLP (`intermediate` 0): each layer's sparse block holds `experts` routed
+    experts of width `expert_intermediate` (top `experts_per_token` per token), a shared expert
+    of width `shared_intermediate`, and `router_loss`: the config's `output_router_logits`
+    (every layer's router logits kept for the load-balancing loss)."""
 
     hidden: int
     intermediate: int
@@ -34,6 +38,11 @@ class ModelShape:
     conv_kernel: int
     tied_embeddings: bool = False
     attention_bias: bool = False
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    router_loss: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
@@ -43,9 +52,14 @@ class ModelShape:
         rope = getattr(text, "rope_parameters", None) or {}
         factor = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0))
         kinds = list(text.layer_types)
+        experts = int(getattr(text, "num_experts", 0) or 0)
+        moe = dict(
+            experts=experts, experts_per_token=text.num_experts_per_tok, expert_intermediate=text.moe_intermediate_size,
+            shared_intermediate=text.shared_expert_intermediate_size, router_loss=bool(getattr(text, "output_router_logits", False)),
+        ) if experts else {}
         return cls(
             hidden=text.hidden_size,
-            intermediate=text.intermediate_size,
+            intermediate=0 if experts else text.intermediate_size,
             vocab=text.vocab_size,
             linear_layers=kinds.count("linear_attention"),
             full_layers=kinds.count("full_attention"),
@@ -60,6 +74,7 @@ class ModelShape:
             conv_kernel=text.linear_conv_kernel_dim,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False))),
             attention_bias=bool(getattr(text, "attention_bias", False)),
+            **moe,
         )
 
     @property
@@ -72,10 +87,14 @@ class ModelShape:
 
     def layer_parameters(self, kind: str) -> tuple[int, int]:
         """(parameters split by tp, parameters replicated over tp) of one decoder layer of
-        `kind` ("linear_attention" or "full_attention"), MLP and both norms included."""
+        `kind` ("linear_attention" or "full_attention"), MLP and both norms included; a MoE
+        layer's routed experts apart (`expert_parameters`): the shared expert split as the MLP,
+        the router and the shared expert's gate whole."""
         h = self.hidden
-        split = 3 * h * self.intermediate
+        split = 3 * h * (self.shared_intermediate if self.experts else self.intermediate)
         whole = 2 * h  # input and post-attention norms
+        if self.experts:
+            whole += self.experts * h + h  # the router, the shared expert's gate
         if kind == "linear_attention":
             value = self.v_heads * self.v_dim
             split += self.conv_dim * h + value * h + 2 * self.v_heads * h  # in_proj_qkv, z, b, a
@@ -89,23 +108,29 @@ class ModelShape:
             whole += 2 * self.head_dim  # q_norm, k_norm
         return split, whole
 
+    def expert_parameters(self) -> int:
+        """One MoE layer's routed experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]); 0 for dense."""
+        return 3 * self.experts * self.expert_intermediate * self.hidden
+
     def parameters(self) -> int:
         """All parameters of the text model."""
         total = self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
         for kind, count in (("linear_attention", self.linear_layers), ("full_attention", self.full_layers)):
-            total += count * sum(self.layer_parameters(kind))
+            total += count * (sum(self.layer_parameters(kind)) + self.expert_parameters())
         return total
 
 
 @dataclass(frozen=True)
 class Parallel:
-    """Mesh sizes (world = their product) and whether the lm_head is split by vocab over tp."""
+    """Mesh sizes (world = their product), whether the lm_head is split by vocab over tp, and
+    `ep` (MoE): the expert-parallel size carved out of dp_shard × cp (not a factor of the world)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
     vocab_parallel_lm_head: bool = False
+    ep: int = 1
 
     @property
     def world(self) -> int:

@@ -21,12 +21,16 @@ def _parameter_counts(shape: ModelShape, parallel: Parallel) -> tuple[int, int, 
     tp = parallel.tp
     per_rank = 0
     largest = 0
+    # MoE: the routed experts split whole over tp (or ep); FSDP2 shards the rest over dp_shard ×
+    # cp (ep × efsdp is that many ranks), so a rank holds 1/(tp · dp_shard · cp) of them either
+    # way; gathered for compute: the experts of this rank's tp slice, or of its ep rank.
+    experts = shape.expert_parameters() // tp
     for kind, count in (("linear_attention", shape.linear_layers), ("full_attention", shape.full_layers)):
         if count:
             split, whole = shape.layer_parameters(kind)
             gathered = split // tp + whole
-            per_rank += count * _sharded(gathered, parallel)
-            largest = max(largest, gathered)
+            per_rank += count * (_sharded(gathered, parallel) + _sharded(experts, parallel))
+            largest = max(largest, gathered + experts // parallel.ep)
     embedding = shape.vocab * shape.hidden
     head = embedding // tp if parallel.vocab_parallel_lm_head else embedding
     per_rank += _sharded(embedding, parallel) + _sharded(shape.hidden, parallel)

@@ -109,7 +109,7 @@ def qwen35_parts(model: nn.Module, families: tuple[str, ...] = ("dense",)) -> Qw
     family = qwen35_family(model)
     if family not in families:
         what = "dense Qwen3.5 models" if families == ("dense",) else "Qwen3.5 models"
-        more = " (the MoE family has no plan yet and no vocab-parallel lm_head: see docs/moe.md)" if family == "moe" else ""
+        more = " (the MoE family has no vocab-parallel lm_head: see docs/moe.md)" if family == "moe" else ""
         raise TypeError(
             f"qwen35_accel supports {what} here ({supported_class_names(families)}); "
             f"got {type(model).__module__}.{type(model).__name__}{more}. For other models use Accelerate's own FSDP2 path."

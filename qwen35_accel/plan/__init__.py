@@ -37,6 +37,14 @@ from .text import print_plan
 __all__ = ["VISION_TOWER_CHOICES", "PlanError", "host_memory_option", "memory_options", "plan", "print_plan"]
 
 
+def _experts(config: Any, ep: int, shards: int) -> dict[str, int] | None:
+    """A MoE model's experts as planned (None for dense): per layer, per token, ep and efsdp."""
+    text = config.get_text_config()
+    if not getattr(text, "num_experts", 0):
+        return None
+    return {"per_layer": text.num_experts, "per_token": text.num_experts_per_tok, "ep": ep, "efsdp": shards // ep}
+
+
 def plan(
     model: str,
     config: str,
@@ -145,6 +153,7 @@ def plan(
             "context_parallel": cp_comm(net_config.get_text_config(), sizes["cp"], sizes["tp"], seq_len, precision.compute,
                                         settings.cp_state_exchange, run.backend),
             "tensor_parallel": {"tp": sizes["tp"], "status": error or ("none" if sizes["tp"] == 1 else "applied")},
+            "experts": _experts(net_config, settings.ep, shards),
             **memory,
             "seconds": round(time.perf_counter() - started, 2),
         }

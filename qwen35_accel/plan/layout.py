@@ -23,7 +23,7 @@ def meta_model(config: Any, vision_tower: str, mixed_precision: str) -> tuple[An
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from ..model.detect import qwen35_parts
+    from ..model.detect import FAMILIES, qwen35_parts
 
     storage = getattr(config, "dtype", None) or torch.float32
     if isinstance(storage, str):
@@ -31,7 +31,7 @@ def meta_model(config: Any, vision_tower: str, mixed_precision: str) -> tuple[An
     auto = AutoModelForCausalLM if vision_tower == "none" else AutoModelForImageTextToText
     with torch.device("meta"):
         net = auto.from_config(config, dtype=storage)
-    parts = qwen35_parts(net)
+    parts = qwen35_parts(net, families=FAMILIES)
     if vision_tower == "frozen":
         parts.vision_model.requires_grad_(False)  # type: ignore[union-attr]
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
@@ -85,12 +85,8 @@ def parallelize(net: Any, sizes: dict[str, int], policy: Any, activation_checkpo
             mp_policy=policy,
             activation_checkpointing=activation_checkpointing,
             reshard_after_forward=reshard_after_forward,
-            frozen_multimodal_sharding=settings.frozen_multimodal_sharding,  # type: ignore[arg-type]
-            fp32_holder_units=settings.fp32_holder_units,  # type: ignore[arg-type]
             vocab_parallel_lm_head=settings.vocab_parallel_lm_head,
-            enable_fsdp2_prefetch=settings.fsdp2_prefetch,
-            fsdp2_forward_prefetch_depth=settings.fsdp2_forward_prefetch_depth,
-            fsdp2_backward_prefetch_depth=settings.fsdp2_backward_prefetch_depth,
+            **settings.parallelizer_options(),  # every setting the plugin passes (prefetch, units, tiled loss, ep)
         )
     except NotImplementedError as exc:
         return str(exc)

@@ -45,7 +45,8 @@ def step_memory(
         )
     except ValueError as exc:
         raise PlanError(str(exc)) from None
-    parallel = Parallel(sizes["dp_replicate"], sizes["dp_shard"], sizes["cp"], sizes["tp"], settings.vocab_parallel_lm_head)
+    parallel = Parallel(sizes["dp_replicate"], sizes["dp_shard"], sizes["cp"], sizes["tp"], settings.vocab_parallel_lm_head,
+                        ep=settings.ep)
     vision, tower = None, None
     if vision_tower != "none":
         vision = VisionTower(

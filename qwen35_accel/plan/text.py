@@ -66,6 +66,11 @@ def print_plan(p: dict[str, Any]) -> None:
     print(_run_line(p["run"]))
     if p["tensor_parallel"]["tp"] > 1:
         print(f"tensor parallelism: {p['tensor_parallel']['status']} (by heads; sizes below are this rank's slices)")
+    if p.get("experts"):
+        e = p["experts"]
+        print(f"experts: {e['per_layer']} per layer, top {e['per_token']}; ep {e['ep']} x efsdp {e['efsdp']} "
+              f"(a rank computes with {e['per_layer'] // e['ep'] // p['tensor_parallel']['tp']} experts per layer"
+              f"{', split over tp' if p['tensor_parallel']['tp'] > 1 else ''}; QWEN35_ACCEL_EP)")
     row = "  {:<52} {:>9} {:>9} {:>13} {:>12}"
     print(row.format("unit (modules)", "storage", "compute", "params", "bytes/rank"))
     for layer in p["layers"]:

@@ -1,13 +1,16 @@
-"""The parallelizer of dense Qwen3.5 models: surgery, TP, AC, FSDP2, CP, in that order.
+"""The parallelizer of Qwen3.5 models (dense and MoE): surgery, EP, TP, AC, FSDP2, CP, in that order.
 
-`PARALLELIZER.apply(model, device_mesh, …)` is the one entry point; the Accelerate
-integration calls it with the plugin's settings, custom loops call it directly.
+`PARALLELIZER.apply(model, device_mesh, options=…)` is the one entry point; the Accelerate
+integration calls it with the plugin's settings (`ParallelOptions.from_settings`), custom loops
+call it directly (keyword arguments build the options). The model's parts are located once here
+and handed to every step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Literal
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,7 +26,6 @@ from .parallel.activation_checkpointing import (
     vision_tower_trains,
 )
 from .parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR, ActivationOffload
-from .parallel.context_parallel.state_exchange import EXCHANGES
 from .parallel.expert_parallel import (
     ExpertMesh,
     build_expert_mesh,
@@ -45,8 +47,16 @@ from .parallel.fsdp import (
     unit_record,
 )
 from .parallel.mesh import ParallelDims, mesh_device, mesh_dim_names, mesh_dim_size
-from .parallel.moe import BALANCE_CHOICES, check_global_balance, install_global_balance
-from .parallel.tiled_loss import install_tiled_loss, tiled_loss_choice, tiled_loss_mode
+from .parallel.moe import check_global_balance, install_global_balance
+from .parallel.options import (
+    FP32_HOLDER_UNITS_CHOICES,
+    FROZEN_MULTIMODAL_SHARDING_CHOICES,
+    Fp32HolderUnits,
+    FrozenMultimodalSharding,
+    ParallelOptions,
+    check_choice,
+)
+from .parallel.tiled_loss import install_tiled_loss, tiled_loss_mode
 from .parallel.tensor_parallel import (
     apply_tensor_parallel,
     apply_vocab_parallel_lm_head,
@@ -57,23 +67,15 @@ from .parallel.tensor_parallel import check_no_cpu_offload
 from .parallel.vision import install_vision_placeholder, vision_tower_has_units
 
 # mesh_dim_names / mesh_dim_size / mesh_device: re-exported from parallel.mesh for existing callers.
-__all__ = ["PARALLELIZER", "Qwen3_5ModelParallelizer", "mesh_device", "mesh_dim_names", "mesh_dim_size"]
+__all__ = [
+    "FROZEN_MULTIMODAL_SHARDING_CHOICES", "FP32_HOLDER_UNITS_CHOICES", "PARALLELIZER", "ParallelOptions",
+    "Qwen3_5ModelParallelizer", "mesh_device", "mesh_dim_names", "mesh_dim_size",
+]
 
 logger = logging.getLogger(__name__)
 
-FrozenMultimodalSharding = Literal["root", "replicate", "shard"]
-FROZEN_MULTIMODAL_SHARDING_CHOICES: tuple[str, ...] = ("root", "replicate", "shard")
-Fp32HolderUnits = Literal["per_layer", "model"]
-FP32_HOLDER_UNITS_CHOICES: tuple[str, ...] = ("per_layer", "model")
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}; expected one of {choices}")
-
-
 class Qwen3_5ModelParallelizer:
-    """Applies qwen35-accel's parallelism to a dense Qwen3.5 model, in place."""
+    """Applies qwen35-accel's parallelism to a Qwen3.5 model (dense or MoE), in place."""
 
     # Submodules (by last name) whose parameters compute in fp32 whatever the policy.
     fp32_compute_module_names: tuple[str, ...] = (HOLDER_NAME,)
@@ -84,26 +86,19 @@ class Qwen3_5ModelParallelizer:
         device_mesh: DeviceMesh,
         dp_shard_cp_mesh_name: str = "dp_shard_cp",
         *,
-        mp_policy: MixedPrecisionPolicy | None = None,
-        offload_policy: OffloadPolicy | None = None,
-        activation_checkpointing: bool = False,
-        activation_offload: bool = False,
-        reshard_after_forward: bool | int | None = None,
-        enable_fsdp2_prefetch: bool = True,
-        fsdp2_backward_prefetch_depth: int = 2,
-        fsdp2_forward_prefetch_depth: int = 1,
-        frozen_multimodal_sharding: FrozenMultimodalSharding = "root",
-        dp_replicate_mesh_name: str = "dp_replicate",
-        cp_mesh_name: str = "cp",
-        tp_mesh_name: str = "tp",
-        fp32_holder_units: Fp32HolderUnits = "per_layer",
-        vocab_parallel_lm_head: bool = False,
-        cp_state_exchange: str = "auto",
-        tiled_loss: bool | str = "recompute",
-        moe_balance: str = "rank",
-        ep: int = 1,
+        options: ParallelOptions | None = None,
+        **keywords: Any,
     ) -> nn.Module:
         """Parallelize `model` over `device_mesh` and return it (the same object).
+
+        `options` (`ParallelOptions`, default: its defaults) holds every choice below; keyword
+        arguments of the same names build it, or change the given one's fields (TypeError for a
+        name it lacks): `mp_policy`, `offload_policy`, `activation_checkpointing`,
+        `activation_offload`, `reshard_after_forward`, `enable_fsdp2_prefetch`,
+        `fsdp2_backward_prefetch_depth`, `fsdp2_forward_prefetch_depth`,
+        `frozen_multimodal_sharding`, `dp_replicate_mesh_name`, `cp_mesh_name`, `tp_mesh_name`,
+        `fp32_holder_units`, `vocab_parallel_lm_head`, `cp_state_exchange`, `tiled_loss`,
+        `moe_balance`, `ep`.
 
         Steps: fp32 gate holders (`install_fp32_gate`), TP (tp > 1: head-parallel
         `apply_tensor_parallel` on the `tp` dim; build the optimizer afterwards), activation
@@ -147,61 +142,55 @@ class Qwen3_5ModelParallelizer:
         `dp_replicate`, `cp` and `tp` dims are optional (absent = size 1); a replicate
         dim of size > 1 gives HSDP over (`dp_replicate`, `dp_shard_cp`).
         """
-        parts = qwen35_parts(model, families=FAMILIES)  # TypeError for anything but Qwen3.5
+        opts = dataclasses.replace(options or ParallelOptions(), **keywords).checked()
+        parts = qwen35_parts(model, families=FAMILIES)  # TypeError for anything but Qwen3.5; computed once, handed down
         # A PEFT wrapper (LoRA) stays the outer module and becomes the root unit, as in stock
         # Accelerate; every model-level step acts on the Qwen3.5 model inside it.
         base = unwrap_qwen35(model)
         if isinstance(model, FSDPModule):
             raise ValueError(f"{type(model).__name__} is already sharded by FSDP2; apply the parallelizer once, to the unsharded model.")
-        _check_choice("frozen_multimodal_sharding", frozen_multimodal_sharding, FROZEN_MULTIMODAL_SHARDING_CHOICES)
-        _check_choice("fp32_holder_units", fp32_holder_units, FP32_HOLDER_UNITS_CHOICES)
-        _check_choice("cp_state_exchange", cp_state_exchange, EXCHANGES)
-        _check_choice("moe_balance", moe_balance, BALANCE_CHOICES)
-        tiled_loss = tiled_loss_choice(tiled_loss)
-        dims = ParallelDims(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, cp_mesh_name, tp_mesh_name)
+        dims = ParallelDims(device_mesh, opts.dp_replicate_mesh_name, dp_shard_cp_mesh_name, opts.cp_mesh_name, opts.tp_mesh_name)
         tp_size, cp_size = dims.tp_size, dims.cp_size
-        check_expert_parallel(parts, ep=ep, data_ranks=dims.size(dims.dp_shard_cp_name), dp_replicate=dims.dp_replicate,
+        check_expert_parallel(parts, ep=opts.ep, data_ranks=dims.size(dims.dp_shard_cp_name), dp_replicate=dims.dp_replicate,
                               tp_size=tp_size)
-        global_balance = moe_balance == "global" and parts.family == "moe"  # dense models have no router
+        global_balance = opts.moe_balance == "global" and parts.family == "moe"  # dense models have no router
         if global_balance:
             check_global_balance(dp_replicate=dims.dp_replicate)
-        check_no_cpu_offload(offload_policy, tp_size)  # before any change, on every rank
+        check_no_cpu_offload(opts.offload_policy, tp_size)  # before any change, on every rank
         if tp_size > 1:
             check_tp_divisible(base.config.get_text_config(), tp_size)
-            if vocab_parallel_lm_head:
+            if opts.vocab_parallel_lm_head:
                 check_vocab_parallel(base, tp_size)
         if cp_size > 1:
             check_context_parallel_supported(base)
         fsdp_mesh = dims.fsdp
 
         converted = install_fp32_gate(model)  # the outer module too: one parameter naming from the root down
-        expert_mesh = build_expert_mesh(dims, ep) if ep > 1 else None
+        expert_mesh = build_expert_mesh(dims, opts.ep) if opts.ep > 1 else None
         if expert_mesh is not None:
             install_expert_parallel(parts, expert_mesh)
         if dims.tp is not None:
-            apply_tensor_parallel(base, dims.tp)
-            if vocab_parallel_lm_head:
+            apply_tensor_parallel(base, dims.tp, parts=parts)
+            if opts.vocab_parallel_lm_head:
                 apply_vocab_parallel_lm_head(base, dims.tp)
-        if tiled_loss != "off":  # before FSDP2, whose class swap then subclasses this one
-            install_tiled_loss(base, mode=tiled_loss)
-        if activation_offload and not activation_checkpointing:
-            raise ValueError("activation_offload=True moves what checkpointed layers keep to host memory: it needs activation_checkpointing=True")
-        if activation_checkpointing:
-            offload = ActivationOffload() if activation_offload else None
+        if opts.tiled_loss != "off":  # before FSDP2, whose class swap then subclasses this one
+            install_tiled_loss(base, mode=opts.tiled_loss)
+        if opts.activation_checkpointing:
+            offload = ActivationOffload() if opts.activation_offload else None
             apply_activation_checkpointing(checkpoint_targets(parts), offload)
             if offload is not None:
                 setattr(model, ACTIVATION_OFFLOAD_ATTR, offload)
         self.apply_fsdp_sharding(
             model,
             fsdp_mesh,
-            mp_policy,
-            offload_policy=offload_policy,
-            enable_fsdp2_prefetch=enable_fsdp2_prefetch,
-            fsdp2_backward_prefetch_depth=fsdp2_backward_prefetch_depth,
-            fsdp2_forward_prefetch_depth=fsdp2_forward_prefetch_depth,
-            reshard_after_forward=reshard_after_forward,
-            frozen_multimodal_sharding=frozen_multimodal_sharding,
-            fp32_holder_units=fp32_holder_units,
+            opts.mp_policy,
+            offload_policy=opts.offload_policy,
+            enable_fsdp2_prefetch=opts.enable_fsdp2_prefetch,
+            fsdp2_backward_prefetch_depth=opts.fsdp2_backward_prefetch_depth,
+            fsdp2_forward_prefetch_depth=opts.fsdp2_forward_prefetch_depth,
+            reshard_after_forward=opts.reshard_after_forward,
+            frozen_multimodal_sharding=opts.frozen_multimodal_sharding,
+            fp32_holder_units=opts.fp32_holder_units,
             parts=parts,
             expert_mesh=expert_mesh,
         )
@@ -209,7 +198,7 @@ class Qwen3_5ModelParallelizer:
             # Vision blocks with FSDP2 units need every rank in every forward, images or not.
             install_vision_placeholder(base)
         if dims.cp is not None:
-            install_context_parallel(base, dims.cp, state_exchange=cp_state_exchange)
+            install_context_parallel(base, dims.cp, state_exchange=opts.cp_state_exchange, parts=parts)
         if global_balance:
             install_global_balance(base, fsdp_mesh)
         logger.info(
@@ -218,11 +207,11 @@ class Qwen3_5ModelParallelizer:
             type(model).__name__,
             fsdp_mesh,
             converted,
-            (describe_checkpoint_targets(parts) + (", saved inputs in host memory" if activation_offload else ""))
-            if activation_checkpointing else "off",
+            (describe_checkpoint_targets(parts) + (", saved inputs in host memory" if opts.activation_offload else ""))
+            if opts.activation_checkpointing else "off",
             cp_size,
             tp_size,
-            ep,
+            opts.ep,
             tiled_loss_mode(base),
         )
         return model
@@ -268,7 +257,7 @@ class Qwen3_5ModelParallelizer:
         become a unit of their own per layer over the ranks holding the same experts
         (`shard_experts`), before the layer's units.
         """
-        _check_choice("fp32_holder_units", fp32_holder_units, FP32_HOLDER_UNITS_CHOICES)
+        check_choice("fp32_holder_units", fp32_holder_units, FP32_HOLDER_UNITS_CHOICES)
         parts = parts or qwen35_parts(module, families=FAMILIES)
         policy = mp_policy or MixedPrecisionPolicy()
         common = dict(

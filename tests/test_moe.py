@@ -389,3 +389,30 @@ def test_regional_compile_on_moe_leaves_the_sparse_block_eager_and_equals_eager(
     got.backward()
     assert_close(got.detach(), want.detach(), "loss")
     assert assert_grads_match(model, reference) > 0
+
+
+def test_parallel_options_are_one_object_built_by_the_keywords_or_the_settings():
+    """`PARALLELIZER.apply` takes a `ParallelOptions` (or keywords building one): a name it lacks is a
+    TypeError before anything changes; `from_settings` carries every knob that chooses the layout."""
+    import dataclasses
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.integrations.settings import PluginSettings
+    from qwen35_accel.parallel.options import ParallelOptions
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+
+    model = build_tiny_moe_causal_lm(seed=0)
+    with pytest.raises(TypeError, match="exp"):
+        PARALLELIZER.apply(model, None, exp=2)  # a misspelt ep
+    assert not any(name.endswith("_fp32_params") for name, _ in model.named_modules())  # untouched
+    with pytest.raises(ValueError, match=r"moe_balance='batch'; expected one of \('rank', 'global'\)"):
+        ParallelOptions(moe_balance="batch").checked()
+    assert ParallelOptions(tiled_loss=True).checked().tiled_loss == "recompute"
+    settings = PluginSettings.from_env({"QWEN35_ACCEL_EP": "4", "QWEN35_ACCEL_TILED_LOSS": "hold",
+                                        "QWEN35_ACCEL_CP_STATE_EXCHANGE": "scan", "QWEN35_ACCEL_MOE_BALANCE": "global"})
+    options = ParallelOptions.from_settings(settings, activation_checkpointing=True)
+    assert (options.ep, options.tiled_loss, options.cp_state_exchange, options.moe_balance, options.activation_checkpointing) == (
+        4, "hold", "scan", "global", True)
+    # Every field of the options is a keyword `apply` documents.
+    doc = PARALLELIZER.apply.__doc__
+    assert all(f"`{field.name}`" in doc for field in dataclasses.fields(ParallelOptions))

@@ -131,6 +131,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 
     from ..parallel.tensor_parallel import check_no_cpu_offload
+    from ..parallel.options import ParallelOptions
     from ..parallelization import PARALLELIZER, mesh_dim_size
 
     model, compile_kwargs = take_over_compile(accelerator, model)
@@ -165,19 +166,15 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     checkpointing, ours, activation_offload = _one_activation_checkpointing(
         model, bool(plugin.activation_checkpointing), bool(getattr(plugin, "activation_checkpointing_offload", False))
     )
-    PARALLELIZER.apply(
-        model,
-        mesh,
-        "dp_shard_cp",
+    options = ParallelOptions.from_settings(
+        settings,
         mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
         offload_policy=plugin.cpu_offload,
         activation_checkpointing=ours,
         activation_offload=activation_offload,
         reshard_after_forward=plugin.reshard_after_forward,
-        vocab_parallel_lm_head=settings.vocab_parallel_lm_head,
-        cp_state_exchange=settings.cp_state_exchange,
-        **settings.parallelizer_options(),
     )
+    PARALLELIZER.apply(model, mesh, "dp_shard_cp", options=options)
 
     if ram_efficient:
         if tensor_parallel:

@@ -111,19 +111,6 @@ class PluginSettings:
         False, "1: an unsupported torch/transformers/accelerate version warns at import instead of raising"
     )
 
-    def parallelizer_options(self) -> dict[str, Any]:
-        """`PARALLELIZER.apply`'s keyword arguments that these settings choose wherever the plugin shards."""
-        return dict(
-            enable_fsdp2_prefetch=self.fsdp2_prefetch,
-            fsdp2_backward_prefetch_depth=self.fsdp2_backward_prefetch_depth,
-            fsdp2_forward_prefetch_depth=self.fsdp2_forward_prefetch_depth,
-            frozen_multimodal_sharding=self.frozen_multimodal_sharding,
-            fp32_holder_units=self.fp32_holder_units,
-            tiled_loss=self.tiled_loss,
-            moe_balance=self.moe_balance,
-            ep=self.ep,
-        )
-
     @staticmethod
     def env_name(field: str) -> str:
         return ENV_PREFIX if field == "enabled" else f"{ENV_PREFIX}_{field.upper()}"

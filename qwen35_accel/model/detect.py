@@ -88,7 +88,8 @@ class Qwen35Parts:
     """The modules of a Qwen3.5 model that the parallelizer treats specially.
 
     `decoder_layers` are in execution order; `vision_blocks` is empty for text models;
-    `family`: "dense" or "moe" (`qwen35_family`).
+    `family`: "dense" or "moe" (`qwen35_family`); `moe_blocks`: a MoE model's sparse blocks
+    (router `gate`, routed `experts`, `shared_expert`), one per decoder layer (empty for dense).
     """
 
     text_model: nn.Module
@@ -100,6 +101,7 @@ class Qwen35Parts:
     vision_model: nn.Module | None
     vision_blocks: tuple[nn.Module, ...]
     family: str = "dense"
+    moe_blocks: tuple[nn.Module, ...] = ()
 
 
 def qwen35_parts(model: nn.Module, families: tuple[str, ...] = ("dense",)) -> Qwen35Parts:
@@ -135,4 +137,5 @@ def qwen35_parts(model: nn.Module, families: tuple[str, ...] = ("dense",)) -> Qw
         vision_model=vision,
         vision_blocks=tuple(vision.blocks) if vision is not None else (),
         family=family,
+        moe_blocks=tuple(layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), hf_moe.Qwen3_5MoeSparseMoeBlock)),
     )

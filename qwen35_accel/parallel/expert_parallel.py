@@ -124,8 +124,8 @@ def build_expert_mesh(dims: ParallelDims, ep: int) -> ExpertMesh:
 
 
 def moe_blocks(parts: Qwen35Parts) -> list[nn.Module]:
-    """The decoder layers' sparse MoE blocks (router `gate`, routed `experts`, `shared_expert`)."""
-    return [layer.mlp for layer in parts.decoder_layers if hasattr(getattr(layer, "mlp", None), "experts")]
+    """The decoder layers' sparse MoE blocks (router `gate`, routed `experts`, `shared_expert`): `parts.moe_blocks`."""
+    return list(parts.moe_blocks)
 
 
 def install_expert_parallel(parts: Qwen35Parts, mesh: ExpertMesh) -> list[nn.Module]:

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
-from ...model.detect import FAMILIES, qwen35_parts
+from ...model.detect import FAMILIES, Qwen35Parts, qwen35_parts
 from ...model.fp32_gate import GATED_DELTA_NET_CLASSES, Fp32GateGatedDeltaNet
 from ...model.hub_kernels import swap_class
 from ...model.packing import SEQUENCE_SHARDED_ATTR, document_layout, text_positions
@@ -199,7 +199,9 @@ def check_context_parallel_supported(model: nn.Module) -> None:
         )
 
 
-def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, state_exchange: str = "auto") -> int:
+def install_context_parallel(
+    model: nn.Module, cp_mesh: DeviceMesh, *, state_exchange: str = "auto", parts: Qwen35Parts | None = None
+) -> int:
     """Put a Qwen3.5 model's text decoder (dense, or MoE: its causal LM) under context
     parallelism over `cp_mesh`.
 
@@ -210,9 +212,10 @@ def install_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, state_exc
     Returns the number of token-mixing layers made CP-aware. Sets `model.loss_function`
     (an instance attribute; the class is untouched) and a forward pre-hook that rejects
     inputs CP cannot handle exactly; a VLM's images and videos are encoded with the tower's
-    work split over the cp ranks (`install_context_parallel_vision`).
+    work split over the cp ranks (`install_context_parallel_vision`). `parts`: `model`'s, when the
+    caller located them already (`PARALLELIZER.apply`).
     """
-    parts = qwen35_parts(model, families=FAMILIES)
+    parts = parts or qwen35_parts(model, families=FAMILIES)
     check_context_parallel_supported(model)
     moe = parts.family == "moe"
     if state_exchange not in EXCHANGES:

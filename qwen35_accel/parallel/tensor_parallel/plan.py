@@ -22,7 +22,7 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
-from ...model.detect import FAMILIES, qwen35_parts
+from ...model.detect import FAMILIES, Qwen35Parts, qwen35_parts
 from ...model.fp32_gate import HOLDER_NAME
 from ...model.hub_kernels import swap_class
 from ..collectives import copy_to_group, reduce_from_group
@@ -221,7 +221,7 @@ def _split_module(module: nn.Module, layouts: dict[str, _Sliced], tp_mesh: Devic
     setattr(module, TP_GROUP_ATTR, group)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, parts: Qwen35Parts | None = None) -> int:
     """Split a Qwen3.5 model's decoder layers by heads over `tp_mesh`, in place (MoE: the shared
     expert as the dense MLP, the routed experts whole over the tp ranks, `expert_parallel.dispatch_experts`).
 
@@ -229,10 +229,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> int:
     other PEFT tuners raise NotImplementedError naming the layer.
     Preconditions: fp32 gate holders installed; not yet sharded by FSDP2; the same
     weights on every tp rank (they are sliced, not communicated). Creates new Parameter
-    objects: build the optimizer afterwards. Returns the number of layers split.
+    objects: build the optimizer afterwards. Returns the number of layers split. `parts`:
+    `model`'s, when the caller located them already (`PARALLELIZER.apply`).
     Raises ValueError naming every head count the tp size does not divide.
     """
-    parts = qwen35_parts(model, families=FAMILIES)
+    parts = parts or qwen35_parts(model, families=FAMILIES)
     config = model.config.get_text_config()
     tp = tp_mesh.size()
     group = tp_mesh.get_group()

@@ -47,7 +47,7 @@ from .parallel.fsdp import (
     unit_record,
 )
 from .parallel.mesh import ParallelDims, mesh_device, mesh_dim_names, mesh_dim_size
-from .parallel.moe import check_global_balance, install_global_balance
+from .parallel.moe import check_global_balance, check_no_expert_adapters, install_global_balance
 from .parallel.options import (
     FP32_HOLDER_UNITS_CHOICES,
     FROZEN_MULTIMODAL_SHARDING_CHOICES,
@@ -153,6 +153,7 @@ class Qwen3_5ModelParallelizer:
         tp_size, cp_size = dims.tp_size, dims.cp_size
         check_expert_parallel(parts, ep=opts.ep, data_ranks=dims.size(dims.dp_shard_cp_name), dp_replicate=dims.dp_replicate,
                               tp_size=tp_size)
+        check_no_expert_adapters(parts.moe_blocks)
         global_balance = opts.moe_balance == "global" and parts.family == "moe"  # dense models have no router
         if global_balance:
             check_global_balance(dp_replicate=dims.dp_replicate)

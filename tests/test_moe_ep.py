@@ -198,3 +198,40 @@ def test_cpu_ram_efficient_loading_puts_rank0s_experts_on_their_ep_ranks():
     """Accelerate's `fsdp_cpu_ram_efficient_loading` (rank 0 loads, the others start on meta) with
     QWEN35_ACCEL_EP=2: each rank ends with its experts' slices of rank 0's weights."""
     run_world(_ram_efficient_worker, 2)
+
+
+def _lora_worker(rank: int, world: int) -> None:
+    """PEFT LoRA (all-linear: the mixers, the shared expert and its gate; the router and the 3-D
+    experts are not linear layers) on the tiny MoE, under ep 2 and under cp 2, against the
+    PEFT model in one process: the loss and every adapter's gradient."""
+    from peft import LoraConfig, get_peft_model
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+    from test_lora import backward_and_check_loss, mesh_of
+
+    def lora_moe():
+        base = build_tiny_moe_causal_lm(seed=0)
+        torch.manual_seed(1)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, lora_dropout=0.0)
+        return get_peft_model(base, config, autocast_adapter_dtype=True)
+
+    for ep, cp in ((2, 1), (1, 2)):
+        reference, model = lora_moe(), lora_moe()
+        targets = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")}
+        assert {"in_proj_qkv", "q_proj", "gate_proj", "shared_expert_gate"} <= targets and "experts" not in targets, targets
+        mesh = mesh_of(world, cp)
+        PARALLELIZER.apply(model, mesh, ep=ep)
+        backward_and_check_loss(model, reference, mesh, dp=world // cp, cp=cp)
+        trainable = assert_grads_match(model, reference)
+        assert trainable == sum(p.requires_grad for p in reference.parameters()) > 0
+    # Adapters on the 3-D experts (PEFT's target_parameters): refused before any change.
+    base = build_tiny_moe_causal_lm(seed=0)
+    wrapped = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]))
+    with pytest.raises(NotImplementedError, match=r"PEFT adapters on the routed experts \(ParamWrapper around 3 layers"):
+        PARALLELIZER.apply(wrapped, mesh_of(world, 1))
+    dist.barrier()
+
+
+def test_lora_on_moe_under_ep2_and_cp2_equals_one_process():
+    run_world(_lora_worker, 2)

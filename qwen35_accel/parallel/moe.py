@@ -24,6 +24,20 @@ BALANCE_CHOICES: tuple[str, ...] = ("rank", "global")
 BALANCE_GROUP_ATTR = "_qwen35_moe_balance_group"  # on the model: the group "global" reduces over
 
 
+def check_no_expert_adapters(moe_blocks: tuple[torch.nn.Module, ...]) -> None:
+    """NotImplementedError (the same on every rank) for PEFT adapters on the routed experts'
+    3-D weights (`LoraConfig(target_parameters=[...experts...])`: PEFT wraps the experts module):
+    neither their FSDP2 units, expert or tensor parallelism nor checkpoints are built for the
+    wrapper. Adapters on linear layers (the mixers, the shared expert) are supported."""
+    wrapped = [type(block.experts).__name__ for block in moe_blocks if hasattr(block.experts, "base_layer")]
+    if wrapped:
+        raise NotImplementedError(
+            f"PEFT adapters on the routed experts ({wrapped[0]} around {len(wrapped)} layers' experts, PEFT's "
+            "target_parameters) are not supported by qwen35_accel; target the linear layers (target_modules: the "
+            "attention and GatedDeltaNet projections, the shared expert) and leave the 3-D expert weights out."
+        )
+
+
 def check_global_balance(*, dp_replicate: int) -> None:
     """`moe_balance="global"` is refused with HSDP (`dp_replicate` > 1: the group would have to
     span a 2-D mesh, not built); before any change, on every rank."""

@@ -114,3 +114,33 @@ def test_a_bf16_load_left_to_transformers_sharding_is_refused_on_every_rank(qwen
     assert_refused_on_every_rank(result, "NotImplementedError", REFUSED)
     assert "the load dtype stores A_log/dt_bias as torch.bfloat16" in result.stderr, describe(result)
     assert why in result.stderr and "accelerate_configs/fsdp2.yaml" in result.stderr, describe(result)
+
+
+@pytest.fixture(scope="module")
+def moe_qwen_shaped(tmp_path_factory):
+    """The tiny Qwen3.5-MoE as Qwen ships its checkpoints: bf16 weights, fp32 A_log/dt_bias."""
+    from test_moe_launch import save_tiny_moe
+
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+
+    path = tmp_path_factory.mktemp("distributed_config") / "moe_qwen_shaped"
+    save_tiny_moe(path)
+    model = build_tiny_moe_causal_lm(seed=0, vocab_size=264, eos_token_id=256, pad_token_id=256)
+    for name, param in model.named_parameters():
+        if not name.endswith((".A_log", ".dt_bias")):
+            param.data = param.data.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(path)
+    return path
+
+
+def test_a_moe_checkpoint_as_qwen_ships_it_trains_the_gates_in_fp32_sharded_at_load(moe_qwen_shaped, tmp_path):
+    """Qwen3.5-MoE with `distributed_config` (FSDP2 2, `dtype="auto"`): the plugin shards it at load as it
+    does the dense family (before: Transformers' sharding, the gates trained bf16-rounded, silently);
+    the gates load into their fp32 holders bitwise and train in fp32."""
+    result = _run(moe_qwen_shaped, "auto", tmp_path)
+    assert len(_trained(result, tmp_path)) == 4
+    assert "Qwen3_5MoeForCausalLM sharded at load by qwen35_accel (distributed_config: dp_replicate 1, fsdp 2)" in result.stderr
+    saved, loaded = checkpoint_gate_values(moe_qwen_shaped), torch.load(tmp_path / "gates_at_load.pt")
+    assert set(loaded) == set(saved) and all(torch.equal(loaded[k], v) and loaded[k].dtype == torch.float32 for k, v in saved.items())
+    assert_trained_in_fp32(moe_qwen_shaped, tmp_path)

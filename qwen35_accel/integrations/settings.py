@@ -93,7 +93,7 @@ class PluginSettings:
     )
     distributed_config: str = _knob(
         "plugin",
-        "Transformers' own sharding at load (from_pretrained(..., distributed_config=...)) of a dense Qwen3.5: plugin "
+        "Transformers' own sharding at load (from_pretrained(..., distributed_config=...)) of a Qwen3.5 model (dense or MoE): plugin "
         "shards data parallelism alone (fsdp/HSDP sizes) into the plugin's units, fp32 gates loaded from the "
         "checkpoint, and does what check does for other layouts; check refuses the loads that would train the gates "
         "bf16-rounded (a bf16 load or fsdp_mixed_precision under FSDP), naming the ways that train them in fp32, and "

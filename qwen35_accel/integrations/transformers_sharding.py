@@ -1,5 +1,5 @@
 """Transformers' own sharding at load (`from_pretrained(..., distributed_config=DistributedConfig(...))`)
-on a dense Qwen3.5 model: the plugin's FSDP2 units where they apply, refused where Transformers'
+on a Qwen3.5 model (dense or MoE): the plugin's FSDP2 units where they apply, refused where Transformers'
 own would train the decay gates bf16-rounded.
 
 Transformers applies its FSDP2 plan (`base_model_fsdp_plan`: one unit per decoder layer) and its TP
@@ -31,7 +31,7 @@ from torch import nn
 
 from .notices import main_process_note
 from .settings import PluginSettings
-from .targets import is_dense_qwen35_module
+from .targets import is_qwen35_module
 
 _PLUGIN_WAYS = (
     "qwen35_accel trains them in fp32 when Accelerate prepares the model: launch with an FSDP2 Accelerate config "
@@ -61,7 +61,7 @@ def maybe_distribute_model(original: Any) -> classmethod:
 
     @functools.wraps(function)
     def wrapper(cls: type, model: Any, distributed_config: Any, mesh_manager: Any) -> Any:
-        if mesh_manager is not None and is_dense_qwen35_module(model):
+        if mesh_manager is not None and is_qwen35_module(model):  # dense or MoE
             mode = PluginSettings.from_env(strict=True).distributed_config
             if mode == "plugin" and plugin_shards(distributed_config) is None:
                 return shard_with_the_plugin(model, distributed_config, mesh_manager)
@@ -113,7 +113,7 @@ def _shard_as_transformers_records(model: nn.Module, distributed_config: Any, me
 
 
 def shard_with_the_plugin(model: nn.Module, distributed_config: Any, mesh_manager: Any) -> nn.Module:
-    """Shard `model` (dense Qwen3.5, on the meta device or materialised, not yet sharded) into the
+    """Shard `model` (Qwen3.5, dense or MoE, on the meta device or materialised, not yet sharded) into the
     plugin's dtype-uniform FSDP2 units over Transformers' data-parallel mesh ("fsdp", with
     "dp_replicate" for HSDP), with the `QWEN35_ACCEL_*` settings that apply without an Accelerator.
     Returns `model` (the same object, FSDP2's class)."""

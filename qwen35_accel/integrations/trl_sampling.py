@@ -144,12 +144,10 @@ def _applies(trainer: Any) -> Replicas | None:
         return None
     found = replicas(getattr(trainer, "accelerator", None))
     if found is not None and not is_dense_qwen35_module(model):
-        raise NotImplementedError(
-            f"{type(trainer).__name__} (GRPO/RLOO) on a Qwen3.5-MoE model under cp or tp is not built in qwen35_accel: "
-            "its generation and log-probs would run on each rank's chunks or heads without the replica handling dense "
-            "models get, and the router's loss would count chunks. Use data parallelism alone (FSDP2, ep) for RL on MoE."
-        )
-    return found if is_dense_qwen35_module(model) else None
+        raise NotImplementedError(f"{type(trainer).__name__} (GRPO/RLOO) on a Qwen3.5-MoE model under cp or tp is not built in "
+                                  "qwen35_accel: its generation and log-probs would run on each rank's chunks or heads without the "
+                                  "replica handling dense models get. Use data parallelism alone (FSDP2, ep) for RL on MoE.")
+    return found
 
 
 def trl_replica_view(original: Callable[..., Any]) -> Callable[..., Any]:

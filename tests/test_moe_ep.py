@@ -186,7 +186,7 @@ def _ram_efficient_worker(rank: int, world: int) -> None:
         reference = build_tiny_moe_causal_lm(seed=0)
         # Only rank 0 holds the real weights (as Transformers loads them under this setting).
         model = build_tiny_moe_causal_lm(seed=0 if rank == 0 else 123)
-        model = accelerator.prepare(model)
+        model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))  # Accelerate 1.15: together
         assert model.model.layers[0].mlp.experts.num_experts == 3
         assert_params_match(model, reference, atol=0)  # every expert where it belongs, bitwise
         accelerator.backward(model(**random_batch(2, 16, reference.config.vocab_size, seed=3 + rank)).loss)

@@ -18,7 +18,8 @@ The fused head × model class × layout matrix TRL's trainers reach, and where e
 | DPO/KTO, whole rows | cp2, cp2×tp2 (test_trl_preference_launch) | DPO cp2 (here) | DPO cp2: refused on every rank (here) |
 | GRPO/RLOO, whole rows | cp2, dp2×cp2, dp2×tp2 (test_trl_sampling_launch) | GRPO cp2 (here) | GRPO cp2: refused on every rank (here) |
 
-A new combination lands with a cell here, or stays "not tested" in docs/vlm.md.
+A new combination lands with a cell here, or stays "not tested" in docs/vlm.md. The MoE VLM class:
+SFT with images under cp 2 × ep 2 (here).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ register(**{
     # The 4-rank config with dp_shard 1 and tp 2: cp 2 x tp 2, one replica (one process's batch).
     "trl_vlm/cp2xtp2": Run("cpu_fsdp2_dp2_cp2.yaml", SCRIPT, ("{out}", "2"),
                            env={"PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "PARALLELISM_CONFIG_TP_SIZE": "2"}),
+    # The MoE VLM class with images: one process against cp 2 x ep 2 (each rank its chunks and 3 of 6 experts).
+    "trl_vlm/moe-single": Run(None, SCRIPT, ("{out}", "2", "--moe")),
+    "trl_vlm/moe-cp2-ep2": Run("cpu_fsdp2_cp2.yaml", SCRIPT, ("{out}", "2", "--moe"), env={"QWEN35_ACCEL_EP": "2"}),
     **{f"trl_vlm/{kind}-{where}": Run(config, OTHERS, ("{out}", kind, "--text_only"))
        for kind in ("dpo", "grpo") for where, config in (("single", None), ("cp2", "cpu_fsdp2_cp2.yaml"))},
 })
@@ -97,3 +101,13 @@ def test_dpo_and_grpo_on_the_vlms_text_rows_under_cp_log_what_one_process_logs(l
     logged = [e for e in log_history(want) if "loss" in e]
     assert len(logged) == 2 and all(e["grad_norm"] > 0 for e in logged), logged
     assert_same_log_history(got, want, rtol=1e-5, atol=1e-6, skip=("step_time",))  # GRPO's wall time
+
+
+@pytest.mark.launches("trl_vlm/moe-single", "trl_vlm/moe-cp2-ep2")
+def test_sft_trainer_on_the_moe_vlm_with_images_under_cp2_and_ep2_logs_what_one_process_logs(launched):
+    """Qwen3_5MoeForConditionalGeneration through SFTTrainer with images: every value logged, the
+    router's load-balancing loss (`aux_loss`, its sums over the cp group) included."""
+    run = launched("trl_vlm/moe-cp2-ep2")
+    assert "Qwen3_5MoeForConditionalGeneration prepared by qwen35_accel" in run.stderr and "ep=2 (experts: 3 of 6" in run.stderr
+    assert any("aux_loss" in e for e in log_history(launched("trl_vlm/moe-single").out))
+    assert_trained_alike(run.out, launched("trl_vlm/moe-single").out)

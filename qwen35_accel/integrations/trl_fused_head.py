@@ -43,6 +43,7 @@ from ..parallel.losses import IGNORE_INDEX, VOCAB_GROUP_ATTR
 from ..parallel.tiled_head import linear_token_stats, lm_head_weights
 
 FUSED_HEAD_ATTR = "_qwen35_accel_fused_head"  # marks the forward this module installed
+ROUTER_LOSS_ATTR = "_qwen35_accel_router_loss"  # the router's loss of the last fused forward (MoE under a group)
 # Text-config attributes by which TRL's head rescales the logits; Qwen3.5 sets none of them.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 
@@ -230,6 +231,7 @@ def _fused_forward_with_router_loss(
     padding = mask.get("linear_attention") if isinstance(mask, dict) else mask  # the CP pre-hook's dict
     aux = router_balance_loss(tuple(recorded), text.num_experts, text.num_experts_per_tok, padding, group)
     output.aux_loss = aux
+    model.__dict__[ROUTER_LOSS_ATTR] = aux  # for `sft_compute_loss`, which sees TRL's sum of the two losses only
     if output.loss is not None:
         output.loss = output.loss + getattr(text, "router_aux_loss_coef", 0.0) * aux.to(output.loss.dtype)
     return output
@@ -248,7 +250,8 @@ def _cp_group_of(model: nn.Module) -> Any:
 def sft_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper of TRL's `SFTTrainer.compute_loss`: for a prepared Qwen3.5 model under cp > 1 in
     training, with no `num_items_in_batch` (the VLM class: the Trainer counts none, see the module
-    docstring), this rank's loss becomes `cp · local_sum / group_count`.
+    docstring), this rank's loss becomes `cp · local_sum / group_count` (a MoE model's router loss,
+    already the group's, added unscaled).
 
     TRL returns `local_sum / max(local_count, 1)` over this rank's chunks (`shift_labels`); one
     process (or one data-parallel replica) returns the mean over the whole rows, `group_sum /
@@ -261,6 +264,8 @@ def sft_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                 num_items_in_batch: Any = None) -> Any:
         result = original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        # A MoE model's router loss of this call (`_fused_forward_with_router_loss`), taken off the model always.
+        router = next((m.__dict__.pop(ROUTER_LOSS_ATTR) for m in model.modules() if ROUTER_LOSS_ATTR in m.__dict__), None)
         group = _cp_group_of(model) if num_items_in_batch is None and model.training else None
         shift_labels = inputs.get("shift_labels") if group is not None else None
         if shift_labels is None:
@@ -275,7 +280,9 @@ def sft_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
         local = (shift_labels != IGNORE_INDEX).sum().to(loss.device)
         total = local.clone()
         torch.distributed.all_reduce(total, group=group)
-        loss = loss * (local * torch.distributed.get_world_size(group) / total.clamp(min=1)).to(loss.dtype)
+        # The router loss TRL added to this rank's mean is the group's already: only the cross entropy is rescaled.
+        routed = self.router_aux_loss_coef * router.to(loss.dtype) if router is not None and self.aux_loss_enabled else 0.0
+        loss = (loss - routed) * (local * torch.distributed.get_world_size(group) / total.clamp(min=1)).to(loss.dtype) + routed
         return (loss, outputs) if return_outputs else loss
 
     return wrapper

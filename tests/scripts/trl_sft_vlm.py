@@ -7,7 +7,8 @@ loss), TRL's own vision-language collator, SFTConfig's defaults
     [accelerate launch --config_file …] tests/scripts/trl_sft_vlm.py OUTPUT_DIR PER_DEVICE [--text_only]
 
 `--text_only`: the same rows without images through the same VLM class, the tokenizer as the
-processing class (TRL's text collator).
+processing class (TRL's text collator). `--moe`: the MoE VLM class (`Qwen3_5MoeForConditionalGeneration`,
+`tiny_moe_vlm_config`; TRL turns the router's loss on).
 
 The processor: the recipes' byte-level tokenizer with Qwen's vision tokens added, Transformers'
 PIL image processor (4-pixel patches, merge 2: the tiny tower's sizes) and `Qwen3VLProcessor`
@@ -25,10 +26,11 @@ from PIL import Image
 from transformers import AutoTokenizer, set_seed
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGeneration
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from trl import SFTConfig, SFTTrainer
 
-from qwen35_accel.testing.tiny import randomize_for_parity, tiny_vlm_config
+from qwen35_accel.testing.tiny import randomize_for_parity, tiny_moe_vlm_config, tiny_vlm_config
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -43,15 +45,17 @@ class ImageOnlyProcessor(Qwen3VLProcessor):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
-def build(text_only: bool):
+def build(text_only: bool, moe: bool = False):
     tokenizer = AutoTokenizer.from_pretrained(RECIPES / "configs" / "tokenizer")
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
     start, end, image, video = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
-    config = tiny_vlm_config(vocab_size=264, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = (tiny_moe_vlm_config if moe else tiny_vlm_config)(
+        vocab_size=264, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     config.vision_start_token_id, config.vision_end_token_id = start, end
     config.image_token_id, config.video_token_id = image, video
     torch.manual_seed(0)
-    model = randomize_for_parity(Qwen3_5ForConditionalGeneration(config), seed=0)
+    model_class = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
+    model = randomize_for_parity(model_class(config), seed=0)
     if text_only:
         return model, tokenizer
     images = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=16 * 16, max_pixels=40 * 40)
@@ -73,9 +77,9 @@ def rows(text_only: bool, count: int = 16) -> Dataset:
     return Dataset.from_dict(columns if text_only else {**columns, "images": images})
 
 
-def main(out: str, per_device: int, text_only: bool) -> None:
+def main(out: str, per_device: int, text_only: bool, moe: bool = False) -> None:
     set_seed(0)
-    model, processing_class = build(text_only)
+    model, processing_class = build(text_only, moe)
     args = SFTConfig(
         output_dir=out, max_steps=4, per_device_train_batch_size=per_device, optim="sgd", learning_rate=0.3,
         lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", seed=0,
@@ -87,4 +91,4 @@ def main(out: str, per_device: int, text_only: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), "--text_only" in sys.argv[3:])
+    main(sys.argv[1], int(sys.argv[2]), "--text_only" in sys.argv[3:], "--moe" in sys.argv[3:])

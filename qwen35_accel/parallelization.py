@@ -31,7 +31,6 @@ from .parallel.expert_parallel import (
     build_expert_mesh,
     check_expert_parallel,
     install_expert_parallel,
-    moe_blocks,
     shard_experts,
 )
 from .parallel.context_parallel.model import (
@@ -282,7 +281,7 @@ class Qwen3_5ModelParallelizer:
                            offload_policy=offload_policy or OffloadPolicy())
                 shared_holder_unit = holders[0]
 
-        split = [block.experts for block in moe_blocks(parts) if isinstance(block.experts.gate_up_proj, DTensor)]
+        split = [block.experts for block in parts.moe_blocks if isinstance(block.experts.gate_up_proj, DTensor)]
         if split:  # by ep (over the ranks holding the same experts) or tp (over the dp ranks)
             shard_experts(
                 split,

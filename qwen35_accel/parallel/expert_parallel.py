@@ -123,17 +123,12 @@ def build_expert_mesh(dims: ParallelDims, ep: int) -> ExpertMesh:
     return ExpertMesh(DeviceMesh(dims.mesh.device_type, layout, mesh_dim_names=EXPERT_DIMS))
 
 
-def moe_blocks(parts: Qwen35Parts) -> list[nn.Module]:
-    """The decoder layers' sparse MoE blocks (router `gate`, routed `experts`, `shared_expert`): `parts.moe_blocks`."""
-    return list(parts.moe_blocks)
-
-
 def install_expert_parallel(parts: Qwen35Parts, mesh: ExpertMesh) -> list[nn.Module]:
     """Split every MoE layer's routed experts over `mesh.ep` and route tokens to them by
     all-to-all (Transformers' `MoEParamShard` and `EpDispatchExpertsParallel`/`AllToAllEP`).
     Before FSDP2, after the fp32 gate holders. Returns the experts modules."""
     experts_modules = []
-    for block in moe_blocks(parts):
+    for block in parts.moe_blocks:
         split_experts(block.experts, mesh.ep, batch=mesh.batch, implementation=EP_IMPLEMENTATION)
         setattr(block.experts, EXPERT_MESH_ATTR, mesh)
         experts_modules.append(block.experts)

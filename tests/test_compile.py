@@ -62,7 +62,7 @@ def test_a_compiled_fsdp2_model_traces_and_equals_eager():
     run_world(_worker, 2)
 
 
-def _regional_worker(rank: int, world: int, cp: int) -> None:
+def _regional_worker(rank: int, world: int, cp: int, checkpointing: bool) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import shard_batch
     from qwen35_accel.model.detect import qwen35_parts
@@ -71,11 +71,12 @@ def _regional_worker(rank: int, world: int, cp: int) -> None:
 
     mesh = init_device_mesh("cpu", (1, world // cp, cp, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    eager, model = (PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh, activation_checkpointing=True) for _ in range(2))
+    eager, model = (PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh, activation_checkpointing=checkpointing) for _ in range(2))
     regions = compile_layer_regions(qwen35_parts(model), context_parallel=cp > 1, backend="aot_eager")
     assert regions == ("norms, MLP, GatedDeltaNet projections and gated output" if cp > 1
                        else "norms, MLP, attention, GatedDeltaNet projections and gated output, GatedDeltaNet conv and "
                        "gated delta rule (torch functions)"), regions
+    mixed = _count_mix_steps(qwen35_parts(model))
     packed, _ = packed_documents([5, 20, 7, 32], eager.config.vocab_size, seed=rank)  # one packed row of 4 documents
     padded = random_batch(2, 32, eager.config.vocab_size, seed=rank)
     for batch in (padded, packed):  # the conv and rule compiled (not under cp) for unpacked rows only
@@ -83,14 +84,43 @@ def _regional_worker(rank: int, world: int, cp: int) -> None:
             batch = shard_batch(batch, mesh["cp"])
         for m in (eager, model):
             m.zero_grad()
+        mixed.clear()
         counters = _eager_then_compiled(eager, model, model.named_parameters(), batch)
         assert sum(counters["graph_break"].values()) == 0, counters["graph_break"]
         assert counters["stats"]["unique_graphs"] >= 4, counters["stats"]  # norms, MLP, GatedDeltaNet steps
+        # With `use_cache` at the config's True (as the Trainer leaves it) the rule ran compiled, filling the cache
+        # (before, only a forward without a cache did: the region was dead in training). Checkpointing turns the
+        # cache off (and runs each forward twice).
+        layers = eager.config.layer_types.count("linear_attention")
+        want = {} if cp > 1 or batch is packed else {"mix": 2 * layers} if checkpointing else {"prefill": layers}
+        assert dict(mixed) == want, (dict(mixed), want)
 
 
-@pytest.mark.parametrize("cp", [1, 2], ids=["fsdp2", "cp2"])
-def test_per_layer_regions_compile_without_a_graph_break_and_equal_eager(cp):
-    run_world(_regional_worker, 2, cp)
+def _count_mix_steps(parts) -> "collections.Counter[str]":
+    """Count the calls of every GatedDeltaNet layer's compiled conv-and-rule steps (a spy around them)."""
+    import collections
+
+    from qwen35_accel.model.fp32_gate import COMPILED_STEPS_ATTR
+
+    calls: collections.Counter[str] = collections.Counter()
+
+    def spy(name, step):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return step(*args, **kwargs)
+        return counted
+
+    for layer in parts.decoder_layers:
+        steps = getattr(layer, "linear_attn", None) and layer.linear_attn.__dict__[COMPILED_STEPS_ATTR]
+        for name in ("mix", "prefill") if steps else ():
+            if name in steps:
+                steps[name] = spy(name, steps[name])
+    return calls
+
+
+@pytest.mark.parametrize("cp,checkpointing", [(1, False), (1, True), (2, True)], ids=["fsdp2", "fsdp2-ac", "cp2-ac"])
+def test_per_layer_regions_compile_without_a_graph_break_and_equal_eager(cp, checkpointing):
+    run_world(_regional_worker, 2, cp, checkpointing)
 
 
 def _accelerate_worker(rank: int, world: int) -> None:

@@ -105,9 +105,33 @@ class Fp32GateGatedDeltaNet(hf.Qwen3_5GatedDeltaNet):
         steps = self.__dict__.get(COMPILED_STEPS_ATTR) or {}
         mixed_qkv, z, beta, a = steps.get("project", self._project)(hidden_states, attention_mask)
         g = self.gate(a)
-        if "mix" in steps and cache is None and kwargs.get("cu_seq_lens_q") is None:
-            return steps["mix"](mixed_qkv, z, g, beta, None, kwargs)
+        if "mix" in steps and kwargs.get("cu_seq_lens_q") is None:
+            if cache is None:
+                return steps["mix"](mixed_qkv, z, g, beta, None, kwargs)
+            if self._fresh(cache):  # training's default: `use_cache` True, an empty cache to fill
+                out, state = steps["prefill"](cache.update_conv_state(mixed_qkv, self.layer_idx, conv_kernel_size=self.conv_kernel_size),
+                                              z, g, beta, kwargs)
+                cache.update_recurrent_state(state, self.layer_idx)
+                return out
         return self._mix(mixed_qkv, z, g, beta, cache, kwargs, output=steps.get("output"))
+
+    def _fresh(self, cache: Any) -> bool:
+        """Whether `cache` holds nothing for this layer yet and records no per-token states: the
+        layer's forward is then `_prefill` between the cache's two updates."""
+        return (cache.get_conv_state(self.layer_idx) is None and cache.get_recurrent_state(self.layer_idx) is None
+                and not cache.is_recording_past(self.layer_idx))
+
+    def _prefill(
+        self, mixed_qkv: torch.Tensor, z: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_mix` from zero states with the rule's final state kept: the output [batch, seq, hidden]
+        and the state [batch, v_heads, k_dim, v_dim] a fresh cache stores (the eager path's ops:
+        the conv of a fresh cache convolves `mixed_qkv` as it is)."""
+        query, key, value = self._split_heads(self.conv(mixed_qkv, None, kwargs).transpose(1, 2))
+        rule = _kernel("torch_chunk_gated_delta_rule", "fla", query)
+        out, state = rule(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True, **kwargs)
+        return self._gated_output(out, z), state
 
     def _mix(
         self,

@@ -9,7 +9,8 @@ the MLP (`nn.Module.compile`, in place), the attention block where it runs no co
 under CP, whose attention exchanges K/V), and the GatedDeltaNet layer's steps before and after
 the gate (`_project`: padding mask, projections, beta; `_gated_output`: gated RMSNorm and
 `out_proj`), and where they are Transformers' torch functions (CPU; no CUDA kernel) and the row
-is not packed, the causal conv and the gated delta rule with the output (`_mix`). Eager: CUDA
+is not packed, the causal conv and the gated delta rule with the output (`_mix`; `_prefill` when
+the forward fills a fresh cache, as training does with `use_cache` left True). Eager: CUDA
 kernels (FLA's Triton rule and conv, causal-conv1d: compiled already), packed rows (their
 document groups are host-side bookkeeping), CP's conv and rule (collectives), the gate holder,
 the loss head. The Accelerate integration compiles here only without tp (its layers compute on
@@ -74,6 +75,7 @@ def compile_layer_regions(parts: Qwen35Parts, *, context_parallel: bool, **compi
             compiled.add("GatedDeltaNet projections and gated output")
             if not context_parallel and _torch_kernels(linear):
                 steps["mix"] = torch.compile(linear._mix, **compile_kwargs)
+                steps["prefill"] = torch.compile(linear._prefill, **compile_kwargs)  # `use_cache` left True
                 compiled.add("GatedDeltaNet conv and gated delta rule (torch functions)")
             linear.__dict__[COMPILED_STEPS_ATTR] = steps
     order = ("norms", "MLP", "attention", "GatedDeltaNet projections and gated output",

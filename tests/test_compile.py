@@ -73,13 +73,15 @@ def _regional_worker(rank: int, world: int, cp: int, checkpointing: bool) -> Non
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     eager, model = (PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh, activation_checkpointing=checkpointing) for _ in range(2))
     regions = compile_layer_regions(qwen35_parts(model), context_parallel=cp > 1, backend="aot_eager")
-    assert regions == ("norms, MLP, GatedDeltaNet projections and gated output" if cp > 1
+    assert regions == ("norms, MLP, GatedDeltaNet projections and gated output, GatedDeltaNet chunk summaries and reads "
+                       "(torch functions)" if cp > 1
                        else "norms, MLP, attention, GatedDeltaNet projections and gated output, GatedDeltaNet conv and "
                        "gated delta rule (torch functions)"), regions
     mixed = _count_mix_steps(qwen35_parts(model))
     packed, _ = packed_documents([5, 20, 7, 32], eager.config.vocab_size, seed=rank)  # one packed row of 4 documents
     padded = random_batch(2, 32, eager.config.vocab_size, seed=rank)
-    for batch in (padded, packed):  # the conv and rule compiled (not under cp) for unpacked rows only
+    for batch in (padded, packed):  # the conv and rule compiled for unpacked rows only
+        is_packed = batch is packed
         if cp > 1:
             batch = shard_batch(batch, mesh["cp"])
         for m in (eager, model):
@@ -92,7 +94,8 @@ def _regional_worker(rank: int, world: int, cp: int, checkpointing: bool) -> Non
         # (before, only a forward without a cache did: the region was dead in training). Checkpointing turns the
         # cache off (and runs each forward twice).
         layers = eager.config.layer_types.count("linear_attention")
-        want = {} if cp > 1 or batch is packed else {"mix": 2 * layers} if checkpointing else {"prefill": layers}
+        step = "cp_summarise" if cp > 1 else "mix" if checkpointing else "prefill"
+        want = {} if is_packed else {step: layers * (2 if checkpointing else 1)}
         assert dict(mixed) == want, (dict(mixed), want)
 
 
@@ -112,7 +115,7 @@ def _count_mix_steps(parts) -> "collections.Counter[str]":
 
     for layer in parts.decoder_layers:
         steps = getattr(layer, "linear_attn", None) and layer.linear_attn.__dict__[COMPILED_STEPS_ATTR]
-        for name in ("mix", "prefill") if steps else ():
+        for name in ("mix", "prefill", "cp_summarise") if steps else ():
             if name in steps:
                 steps[name] = spy(name, steps[name])
     return calls

@@ -12,7 +12,8 @@ the gate (`_project`: padding mask, projections, beta; `_gated_output`: gated RM
 is not packed, the causal conv and the gated delta rule with the output (`_mix`; `_prefill` when
 the forward fills a fresh cache, as training does with `use_cache` left True). Eager: CUDA
 kernels (FLA's Triton rule and conv, causal-conv1d: compiled already), packed rows (their
-document groups are host-side bookkeeping), CP's conv and rule (collectives), the gate holder,
+document groups are host-side bookkeeping), CP's conv and state exchange (collectives; the rule's
+local chunk summaries and reads around the exchange are compiled), the gate holder,
 the loss head. The Accelerate integration compiles here only without tp (its layers compute on
 DTensors; under tp Accelerate's whole-model compile stays).
 """
@@ -27,6 +28,7 @@ from torch import nn
 from ..model.detect import Qwen35Parts
 from ..model.fp32_gate import COMPILED_STEPS_ATTR, has_fp32_gate
 from ..model.kernel_functions import kernel_source
+from .context_parallel.gated_delta_net import read_halves, summarise_halves
 
 
 def _torch_kernels(layer: nn.Module) -> bool:
@@ -77,7 +79,11 @@ def compile_layer_regions(parts: Qwen35Parts, *, context_parallel: bool, **compi
                 steps["mix"] = torch.compile(linear._mix, **compile_kwargs)
                 steps["prefill"] = torch.compile(linear._prefill, **compile_kwargs)  # `use_cache` left True
                 compiled.add("GatedDeltaNet conv and gated delta rule (torch functions)")
+            elif context_parallel and _torch_kernels(linear):  # the rule's local steps around the state exchange
+                steps["cp_summarise"] = torch.compile(summarise_halves, **compile_kwargs)
+                steps["cp_read"] = torch.compile(read_halves, **compile_kwargs)
+                compiled.add("GatedDeltaNet chunk summaries and reads (torch functions)")
             linear.__dict__[COMPILED_STEPS_ATTR] = steps
     order = ("norms", "MLP", "attention", "GatedDeltaNet projections and gated output",
-             "GatedDeltaNet conv and gated delta rule (torch functions)")
+             "GatedDeltaNet conv and gated delta rule (torch functions)", "GatedDeltaNet chunk summaries and reads (torch functions)")
     return ", ".join(part for part in order if part in compiled)

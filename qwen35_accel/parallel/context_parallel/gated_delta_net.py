@@ -10,12 +10,13 @@ the last K−1 pre-conv inputs before each chunk: a halo, also independent of th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ...model.fp32_gate import Fp32GateGatedDeltaNet, Fp32GateMoeGatedDeltaNet
+from ...model.fp32_gate import COMPILED_STEPS_ATTR, Fp32GateGatedDeltaNet, Fp32GateMoeGatedDeltaNet
 from ...ops.causal_conv import ConvKernel, fla_conv_kernel, select_conv_kernel, torch_conv_kernel
 from ...ops.documents import per_document_with_state
 from ...ops.gated_delta import Kernel, chunk_summary, read_state, select_kernel
@@ -37,6 +38,7 @@ def cp_gated_delta_rule(
     kernel: Kernel | None = None,
     documents: ShardedDocuments | None = None,
     exchange: str = "auto",
+    steps: Mapping[str, Callable[..., Any]] | None = None,
 ) -> torch.Tensor:
     """The chunked gated delta rule over a sequence sharded across `group` (cp ranks).
 
@@ -49,18 +51,37 @@ def cp_gated_delta_rule(
     Communication: the two chunk summaries, 2 × [batch, v_heads, k_dim, k_dim + v_dim]
     fp32, cross the ranks by `exchange` (`state_exchange.incoming_states`: one all-gather,
     or a log-depth scan from cp 8 on under "auto"); backward moves the same bytes back.
+    `steps` may replace the local steps around the exchange (`summarise_halves`, `read_halves`:
+    keys "cp_summarise", "cp_read"; `parallel.regional_compile` passes them compiled).
     """
     if documents is not None:
         return _cp_packed_gated_delta_rule(
             query, key, value, g, beta, documents, group=group, use_qk_l2norm=use_qk_l2norm, kernel=kernel,
             exchange=exchange,
         )
+    steps = steps or {}
+    local, readers = steps.get("cp_summarise", summarise_halves)(query, key, value, g, beta, use_qk_l2norm=use_qk_l2norm,
+                                                                 kernel=kernel)
+    states = incoming_states(local, group, key.shape[-1], exchange=exchange)
+    return steps.get("cp_read", read_halves)(readers, states, value.dtype)
+
+
+def summarise_halves(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+    use_qk_l2norm: bool, kernel: Kernel | None,
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """This rank's two layout chunks summarised, no communication (inputs as `cp_gated_delta_rule`'s):
+    their [M | U] stacked, [2, batch, v_heads, k_dim, k_dim + v_dim] fp32, and each chunk's (o0, w)."""
     halves = [t.chunk(2, dim=1) for t in (query, key, value, g, beta)]
     summaries = [chunk_summary(*(h[slot] for h in halves), use_qk_l2norm=use_qk_l2norm, kernel=kernel) for slot in (0, 1)]
-    local = torch.stack([torch.cat([M, U], dim=-1) for _, _, M, U in summaries])
-    states = incoming_states(local, group, key.shape[-1], exchange=exchange)
-    outputs = [read_state(o0, w, state) for (o0, w, _, _), state in zip(summaries, states)]
-    return torch.cat(outputs, dim=1).to(value.dtype)
+    return torch.stack([torch.cat([M, U], dim=-1) for _, _, M, U in summaries]), [(o0, w) for o0, w, _, _ in summaries]
+
+
+def read_halves(
+    readers: list[tuple[torch.Tensor, torch.Tensor]], states: list[torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """Both chunks' outputs from their incoming states, [batch, local_seq, v_heads, v_dim] in `dtype`."""
+    return torch.cat([read_state(o0, w, state) for (o0, w), state in zip(readers, states)], dim=1).to(dtype)
 
 
 def _cp_packed_gated_delta_rule(
@@ -224,7 +245,7 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
             self.cp_kernel = select_kernel(query.device)
         return cp_gated_delta_rule(
             query, key, value, g, beta, group=self._cp_group, documents=kwargs.get(DOCUMENTS_KWARG),
-            exchange=self.state_exchange, kernel=self.cp_kernel,
+            exchange=self.state_exchange, kernel=self.cp_kernel, steps=self.__dict__.get(COMPILED_STEPS_ATTR),
         )
 
 

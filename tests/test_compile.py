@@ -154,3 +154,38 @@ def _accelerate_worker(rank: int, world: int) -> None:
 
 def test_accelerates_dynamo_config_prepares_a_model_twice_into_the_same_compiled_units():
     run_world(_accelerate_worker, 2)
+
+
+def _tp_worker(rank: int, world: int) -> None:
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch._dynamo.utils import counters
+
+    from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
+
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2), dynamo_backend="aot_eager",
+                              parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=world // 2))
+    reference = build_tiny_causal_lm(seed=0)
+    model = build_tiny_causal_lm(seed=0)
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in accelerator._models), accelerator._models
+    assert model.model.layers[0].mlp._compiled_call_impl is not None  # the plugin's regions, on the tp slices
+    batch = random_batch(4, 16, reference.config.vocab_size, seed=0)
+    replica = accelerator.torch_device_mesh["dp_shard"].get_local_rank()  # the tp ranks share their replica's rows
+    torch._dynamo.reset()
+    counters.clear()
+    loss = model(**{k: v[2 * replica : 2 * replica + 2] for k, v in batch.items()}).loss
+    accelerator.backward(loss)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])  # the whole model: 15
+    want = reference(**batch).loss
+    want.backward()
+    params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close(gather_tensor_parallel(model, name, p.grad), params[name].grad, f"grad of {name}")
+
+
+@pytest.mark.slow  # world 4
+def test_accelerates_dynamo_config_under_tensor_parallelism_compiles_the_layers_regions():
+    run_world(_tp_worker, 4)

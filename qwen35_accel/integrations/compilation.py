@@ -3,9 +3,10 @@
 
 Accelerate compiles the model before its FSDP2 preparation (whole, an `OptimizedModule`, or each
 repeated block in place with `use_regional_compilation`), so FSDP2's hooks would run inside the
-compiled code and break the graph at every unit. Without tp the preparation undoes that
-(`take_over_compile`) and compiles the regions between unit boundaries once the model is sharded
-(`compile_prepared`, `parallel.regional_compile`). Under tp Accelerate's whole-model compile stays.
+compiled code and break the graph at every unit. The preparation undoes that (`take_over_compile`)
+and compiles the regions between unit boundaries once the model is sharded (`compile_prepared`,
+`parallel.regional_compile`), under every layout (with tp too: the regions compute on the head-parallel
+slices; the whole model under tp broke the graph 15 times in a step of the tiny model).
 """
 
 from __future__ import annotations
@@ -19,16 +20,13 @@ from torch import nn
 def take_over_compile(accelerator: Any, model: nn.Module) -> tuple[nn.Module, dict[str, Any] | None]:
     """Where Accelerate's dynamo_config is set, it compiled `model` before this preparation: whole
     (an `OptimizedModule`) or, with `use_regional_compilation`, each decoder layer in place, FSDP2's
-    hooks inside either way. Without tp the plugin compiles per layer instead
-    (`parallel.regional_compile`, after sharding): returns the uncompiled model (Accelerate's list of
-    prepared models updated to it) and the compile keyword arguments; otherwise (`model`, None)."""
+    hooks inside either way. The plugin compiles per layer instead (`parallel.regional_compile`,
+    after sharding): returns the uncompiled model (Accelerate's list of prepared models updated to it)
+    and the compile keyword arguments; without a dynamo_config (`model`, None)."""
     from accelerate.utils import DynamoBackend
 
-    from ..parallel.mesh import mesh_dim_size
-
     dynamo = getattr(accelerator.state, "dynamo_plugin", None)
-    mesh = getattr(accelerator, "torch_device_mesh", None)  # tp needs Accelerate's ParallelismConfig, hence its mesh
-    if dynamo is None or dynamo.backend == DynamoBackend.NO or (mesh is not None and mesh_dim_size(mesh, "tp") > 1):
+    if dynamo is None or dynamo.backend == DynamoBackend.NO:
         return model, None
     inner = model.__dict__.get("_modules", {}).get("_orig_mod")
     if isinstance(inner, nn.Module) and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
@@ -53,6 +51,6 @@ def compile_prepared(model: nn.Module, compile_kwargs: dict[str, Any] | None, *,
         regions = compile_layer_regions(qwen35_parts(model, families=FAMILIES), context_parallel=context_parallel, **compile_kwargs)
         return (f", torch.compile (Accelerate's dynamo_config): per decoder layer, {regions}; eager: the FSDP2 units' "
                 "hooks, the gate holders, the loss head, CUDA kernels, packed rows' conv and rule, CP's collectives")
-    if hasattr(model, "_orig_mod"):  # under tp: Accelerate's dynamo_config compiled the whole model before this wrap
+    if hasattr(model, "_orig_mod"):  # the script compiled the model itself (no dynamo_config)
         return ", torch.compile: the whole model (Accelerate's dynamo_config; each FSDP2 unit's hooks break the graph)"
     return ""

@@ -14,8 +14,7 @@ the forward fills a fresh cache, as training does with `use_cache` left True). E
 kernels (FLA's Triton rule and conv, causal-conv1d: compiled already), packed rows (their
 document groups are host-side bookkeeping), CP's conv and state exchange (collectives; the rule's
 local chunk summaries and reads around the exchange are compiled), the gate holder,
-the loss head. The Accelerate integration compiles here only without tp (its layers compute on
-DTensors; under tp Accelerate's whole-model compile stays).
+the loss head. Under tp the same regions compile on the head-parallel slices.
 """
 
 from __future__ import annotations

@@ -70,6 +70,8 @@ register(**{
     # without inductor's code generation (minutes on 2 cores); fixed-length batches compile once.
     "trainer/fsdp2-compiled": recipe_run("cpu_fsdp2.yaml", "--per_device_train_batch_size", "2", *FIXED_LENGTH, *SGD,
                                          env={"ACCELERATE_DYNAMO_BACKEND": "AOT_EAGER"}),
+    "trainer/cp2-compiled": recipe_run("cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *FIXED_LENGTH, *SGD,
+                                       env={"ACCELERATE_DYNAMO_BACKEND": "AOT_EAGER"}),
     # Activation offload, each switch a user has: Accelerate's (the config's fsdp_activation_checkpointing[_offload],
     # here through the FSDP plugin's environment) and Transformers' (the Trainer's checkpointing kwargs).
     "trainer/cp2-offload-accelerate": recipe_run(
@@ -190,19 +192,24 @@ def test_packed_rows_through_a_launch_train_exactly_as_padded_rows_in_one_proces
 
 
 @runs("trainer/resume-full", "trainer/resume-resumed")
-@pytest.mark.launches("trainer/fsdp2-FULL_STATE_DICT", "trainer/fsdp2-compiled")
-def test_accelerates_dynamo_config_compiles_the_prepared_model_and_trains_as_eager(launched):
+@pytest.mark.parametrize("layout,regions", [
+    ("fsdp2", "attention, GatedDeltaNet projections and gated output, GatedDeltaNet conv and gated delta rule (torch functions)"),
+    ("cp2", "GatedDeltaNet projections and gated output, GatedDeltaNet chunk summaries and reads (torch functions)"),
+])
+@pytest.mark.launches("trainer/fsdp2-FULL_STATE_DICT", "trainer/fsdp2-compiled", "trainer/cp2", "trainer/cp2-compiled")
+def test_accelerates_dynamo_config_compiles_the_prepared_model_and_trains_as_eager(launched, layout, regions):
     """cpu_fsdp2.yaml with Accelerate's dynamo_config: the first compiled forward crashed on every rank
     (`Expected CellVariable ... in load_cell`: dynamo traced the layer's kernel choice); now the
     plugin's units train the compiled model as eager, compiled per decoder layer between the FSDP2 unit
-    boundaries (test_compile: no graph break), and the prepared line says what is compiled."""
-    compiled = launched("trainer/fsdp2-compiled")
+    boundaries (test_compile: no graph break), and the prepared line says what is compiled. Under
+    cpu_fsdp2_cp2.yaml too (the rule's local steps compiled around CP's state exchange)."""
+    compiled = launched(f"trainer/{layout}-compiled")
     assert "Qwen3_5ForCausalLM prepared by qwen35_accel" in compiled.stderr, compiled.stderr[-3000:]
-    assert ("torch.compile (Accelerate's dynamo_config): per decoder layer, norms, MLP, attention, GatedDeltaNet "
-            "projections and gated output, GatedDeltaNet conv and gated delta rule (torch functions);") in compiled.stderr, \
+    assert f"torch.compile (Accelerate's dynamo_config): per decoder layer, norms, MLP, {regions};" in compiled.stderr, \
         compiled.stderr[-3000:]
     # fp32 rtol 1e-5: aot_eager runs the traced ATen ops (a decomposition may sum in another order).
-    assert_same_training(compiled.out, launched("trainer/fsdp2-FULL_STATE_DICT").out, rtol=1e-5)
+    eager = launched("trainer/fsdp2-FULL_STATE_DICT" if layout == "fsdp2" else "trainer/cp2")
+    assert_same_training(compiled.out, eager.out, rtol=1e-5)
 
 
 def test_resume_from_checkpoint_continues_with_the_uninterrupted_losses(launched):

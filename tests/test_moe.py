@@ -109,8 +109,14 @@ def _dp_worker(rank: int, world: int) -> None:
     from test_moe_ep import _parity
 
     # FSDP2 at world 2, every expert on every rank: each rank's rows against one process on
-    # them (the router's loss each rank's: stock's meaning under dp), through SGD steps.
-    model, _ = _parity(rank, world, ep=1, cp=1, num_experts=6)
+    # them (the router's loss each rank's: stock's meaning under dp), through SGD steps; with
+    # checkpointing and activation offload (each layer's input in host memory, recomputed: the
+    # same routing).
+    model, _ = _parity(rank, world, ep=1, cp=1, num_experts=6, activation_checkpointing=True, activation_offload=True)
+    from qwen35_accel.parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR
+
+    offload = getattr(model, ACTIVATION_OFFLOAD_ATTR)
+    assert offload.stats.tensors > 0, offload.stats  # every layer's input went through the offload hooks
     holders = [m for name, m in model.named_modules() if name.endswith(HOLDER_NAME)]
     assert len(holders) == 2 and all(p.dtype == torch.float32 for h in holders for p in h.parameters())
     dist.barrier()

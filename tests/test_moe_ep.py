@@ -21,7 +21,7 @@ STEPS = 2
 
 
 def _parity(rank: int, world: int, *, ep: int, cp: int, num_experts: int, activation_checkpointing: bool = False,
-            dp_replicate: int = 1, tp: int = 1):
+            dp_replicate: int = 1, tp: int = 1, activation_offload: bool = False):
     """`world` ranks, cp `cp`, the rest dp (`dp_replicate` of it replicas: HSDP); each dp rank's
     rows against one process on them (the router's loss per rank: stock's meaning under dp),
     `STEPS` SGD steps. Returns (model, reference). Also test_moe's FSDP2 parity (ep 1)."""
@@ -40,7 +40,7 @@ def _parity(rank: int, world: int, *, ep: int, cp: int, num_experts: int, activa
         mesh = mesh_for(world, world // cp // tp, cp, tp)
     else:
         mesh = cp_mesh(world, cp) if dp_replicate == 1 else accelerate_style_mesh(world, dp_replicate=dp_replicate)
-    PARALLELIZER.apply(model, mesh, ep=ep, activation_checkpointing=activation_checkpointing)
+    PARALLELIZER.apply(model, mesh, ep=ep, activation_checkpointing=activation_checkpointing, activation_offload=activation_offload)
     experts = model.model.layers[0].mlp.experts
     split = max(ep, tp)
     assert experts.num_experts == num_experts // split and isinstance(experts.gate_up_proj, DTensor)

@@ -48,6 +48,10 @@ register(**{
        for case, (config, per_device, env, _) in DPO_CASES.items()},
     "dpo/lora-single": Run(None, DPO, ("{out}", "4", "lora", "--variants", "sigmoid", "--eval")),
     "dpo/lora-cp2": Run("cpu_fsdp2_cp2.yaml", DPO, ("{out}", "4", "lora", "--variants", "sigmoid", "--eval")),
+    # Qwen3.5-MoE with the router's loss (TRL adds it) under dp 2, its balance over the global batch.
+    "dpo/moe-single": Run(None, DPO, ("{out}", "4", "--variants", "sigmoid", "--eval", "--moe")),
+    "dpo/moe-dp2": Run("cpu_fsdp2.yaml", DPO, ("{out}", "2", "--variants", "sigmoid", "--eval", "--moe"),
+                       env={"QWEN35_ACCEL_MOE_BALANCE": "global"}),
     "kto/single": Run(None, KTO, ("{out}", "4", KTO_VARIANTS)),
     "kto/cp2": Run("cpu_fsdp2_cp2.yaml", KTO, ("{out}", "4", KTO_VARIANTS)),
 })
@@ -83,6 +87,19 @@ def test_dpo_trainer_with_lora_under_cp_logs_what_one_process_logs(launched):
     single, cp2 = launched("dpo/lora-single").out, launched("dpo/lora-cp2").out
     _trained(single / "sigmoid", "rewards/chosen")
     assert_same_log_history(cp2 / "sigmoid", single / "sigmoid", rtol=1e-5, atol=1e-6)  # as above
+
+
+@pytest.mark.launches("dpo/moe-single", "dpo/moe-dp2")
+def test_dpo_trainer_on_moe_under_dp2_logs_what_one_process_logs(launched):
+    """Qwen3.5-MoE, the router's load-balancing loss in DPO's loss (TRL's `aux_loss`). Under dp the
+    router's loss keeps stock's per-rank meaning by default (each rank's rows: 3e-3 relative off one
+    process's on the whole batch, and the loss with it); `QWEN35_ACCEL_MOE_BALANCE=global` balances
+    over the global batch, as one process does."""
+    launch, single = launched("dpo/moe-dp2"), launched("dpo/moe-single").out
+    assert any("Qwen3_5MoeForCausalLM prepared by qwen35_accel" in line for line in launch.stderr.splitlines()), launch.stderr[-3000:]
+    _trained(single / "sigmoid", "rewards/chosen")
+    assert any(e.get("aux_loss", 0) > 0 for e in log_history(single / "sigmoid"))
+    assert_same_log_history(launch.out / "sigmoid", single / "sigmoid", rtol=1e-5, atol=1e-6)  # as above
 
 
 @pytest.mark.launches("kto/single", "kto/cp2")

@@ -4,14 +4,15 @@ pairs built from the recipes' toy prompt/completion data, 4 SGD steps; losses, r
 metrics and grad norms in `trainer_state.json`.
 
     [accelerate launch --config_file …] tests/scripts/trl_dpo.py OUTPUT_DIR PER_DEVICE [lora]
-    [accelerate launch --config_file …] tests/scripts/trl_dpo.py OUTPUT_DIR PER_DEVICE --variants V,V… [--eval]
+    [accelerate launch --config_file …] tests/scripts/trl_dpo.py OUTPUT_DIR PER_DEVICE --variants V,V… [--eval] [--moe]
 
 With `lora`: no reference model; TRL trains LoRA adapters and takes the reference
 log-probabilities from the policy with its adapters disabled. With `--variants`: one training
 per variant, one after the other in this process, each in OUTPUT_DIR/VARIANT: `sigmoid`, `ipo`
 (DPO's loss types), `sigmoid-precompute` (the reference log-probs precomputed over the dataset
 before training, `precompute_ref_log_probs=True`, into a datasets cache of its own). `--eval`: an
-evaluation on 8 held-out pairs every 2 steps.
+evaluation on 8 held-out pairs every 2 steps. `--moe`: the tiny Qwen3.5-MoE (`build_tiny_moe_causal_lm` at the
+recipes' vocabulary, the router's loss on: TRL adds it to DPO's loss).
 """
 
 import sys
@@ -25,8 +26,12 @@ from trl import DPOConfig, DPOTrainer
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
-def tiny_model() -> torch.nn.Module:
+def tiny_model(moe: bool = False) -> torch.nn.Module:
     set_seed(0)  # policy and reference start from the same weights
+    if moe:
+        from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+
+        return build_tiny_moe_causal_lm(seed=0, vocab_size=264, eos_token_id=256, pad_token_id=256, output_router_logits=True)
     config = AutoConfig.from_pretrained(RECIPES / "configs" / "tiny_qwen35.json")
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
@@ -43,9 +48,9 @@ def preference_pairs(cache_dir: str | None = None):
 
 
 def main(out: str, per_device: int, lora: bool = False, loss_type: str = "sigmoid", precompute: bool = False,
-         evaluate: bool = False) -> None:
+         evaluate: bool = False, moe: bool = False) -> None:
     tokenizer = AutoTokenizer.from_pretrained(RECIPES / "configs" / "tokenizer")
-    model, ref_model = tiny_model(), None if lora else tiny_model()
+    model, ref_model = tiny_model(moe), None if lora else tiny_model(moe)
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -92,6 +97,6 @@ if __name__ == "__main__":
         for name in names:
             loss_type, precompute = VARIANTS[name]
             main(str(Path(out) / name), per_device, lora="lora" in rest, loss_type=loss_type, precompute=precompute,
-                 evaluate="--eval" in rest)
+                 evaluate="--eval" in rest, moe="--moe" in rest)
     else:
         main(out, per_device, lora=rest == ["lora"])

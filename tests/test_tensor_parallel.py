@@ -182,6 +182,14 @@ def _bad_tp_worker(rank: int, world: int) -> None:
     with pytest.raises(NotImplementedError, match=r"FSDP2's CPU offload \(fsdp_offload_params: true, CPUOffloadPolicy\) with tensor parallelism \(tp size 2\)"):
         PARALLELIZER.apply(model, mesh_for(world, 1, 1, 2), offload_policy=CPUOffloadPolicy())
     assert "A_log" in model.model.layers[0].linear_attn._parameters  # refused before any change
+    # Trainable parameters on several meshes: Transformers' Trainer would take its per-mesh norm, not the TP norm.
+    from qwen35_accel.parallel.tensor_parallel.clipping import check_one_gradient_mesh
+
+    model = PARALLELIZER.apply(build_tiny_causal_lm(), mesh_for(world, 1, 1, 2))
+    check_one_gradient_mesh(model)  # the plugin's layout: one mesh
+    model.model.register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))
+    with pytest.raises(ValueError, match=r"found 2: plain tensors: 1 parameters \(e.g. model.extra\); mesh \{'dp_shard_cp': 1\}"):
+        check_one_gradient_mesh(model)
 
 
 def test_tp_refuses_head_counts_it_cannot_split_and_cpu_offload():

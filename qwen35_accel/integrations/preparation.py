@@ -192,6 +192,10 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         if hasattr(model, "tie_weights"):
             model.tie_weights()
 
+    if tensor_parallel:
+        from ..parallel.tensor_parallel.clipping import check_one_gradient_mesh
+
+        check_one_gradient_mesh(model)
     model._qwen35_accel_prepared = True
     cp = mesh_dim_size(mesh, "cp")
     from ..ops.kernels import run_summary

@@ -70,3 +70,24 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     for (device, _), grads in groups.items():
         torch._foreach_mul_(grads, coefficient.to(device))
     return total
+
+
+def check_one_gradient_mesh(model: nn.Module) -> None:
+    """Raise ValueError when `model`'s trainable parameters live on more than one device mesh (plain
+    tensors count as one more). Under tp the Trainer would then compute the gradient norm itself, one
+    norm per mesh (Transformers' `Trainer._mixed_mesh_grad_norm`), instead of
+    `Accelerator.clip_grad_norm_` and so `clip_grad_norm_` here: each tp rank's slices alone, a too
+    small norm, clipped by silently."""
+    meshes: dict[Any, list[str]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(name)
+    if len(meshes) > 1:
+        found = "; ".join(f"{'plain tensors' if mesh is None else f'mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}'}: "
+                          f"{len(names)} parameters (e.g. {names[0]})" for mesh, names in meshes.items())
+        raise ValueError(
+            f"under tensor parallelism every trainable parameter must live on one device mesh; found {len(meshes)}: {found}. "
+            "The Trainer would compute the gradient norm per mesh itself (Trainer._mixed_mesh_grad_norm), bypassing the "
+            "tensor-parallel norm, and clip by a too small norm. Freeze the parameters outside the sharded model or shard them too."
+        )
+

@@ -303,7 +303,8 @@ def test_compile_step_smoke_reports_each_world_without_a_graph_break():
     assert [r[1] for r in rows] == [
         "the whole model",
         "norms, MLP, attention, GatedDeltaNet projections and gated output, GatedDeltaNet conv and gated delta rule (torch functions)",
-        "norms, MLP, GatedDeltaNet projections and gated output, GatedDeltaNet chunk summaries and reads (torch functions)",
+        "norms, MLP, attention projections and output, GatedDeltaNet projections and gated output, GatedDeltaNet chunk "
+        "summaries and reads (torch functions)",
     ], stdout
     assert [r[-1] for r in rows] == ["0", "0", "0"], stdout  # graph breaks in a compiled step
 

@@ -73,8 +73,8 @@ def _regional_worker(rank: int, world: int, cp: int, checkpointing: bool) -> Non
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     eager, model = (PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh, activation_checkpointing=checkpointing) for _ in range(2))
     regions = compile_layer_regions(qwen35_parts(model), context_parallel=cp > 1, backend="aot_eager")
-    assert regions == ("norms, MLP, GatedDeltaNet projections and gated output, GatedDeltaNet chunk summaries and reads "
-                       "(torch functions)" if cp > 1
+    assert regions == ("norms, MLP, attention projections and output, GatedDeltaNet projections and gated output, "
+                       "GatedDeltaNet chunk summaries and reads (torch functions)" if cp > 1
                        else "norms, MLP, attention, GatedDeltaNet projections and gated output, GatedDeltaNet conv and "
                        "gated delta rule (torch functions)"), regions
     mixed = _count_mix_steps(qwen35_parts(model))

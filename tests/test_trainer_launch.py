@@ -194,7 +194,8 @@ def test_packed_rows_through_a_launch_train_exactly_as_padded_rows_in_one_proces
 @runs("trainer/resume-full", "trainer/resume-resumed")
 @pytest.mark.parametrize("layout,regions", [
     ("fsdp2", "attention, GatedDeltaNet projections and gated output, GatedDeltaNet conv and gated delta rule (torch functions)"),
-    ("cp2", "GatedDeltaNet projections and gated output, GatedDeltaNet chunk summaries and reads (torch functions)"),
+    ("cp2", "attention projections and output, GatedDeltaNet projections and gated output, GatedDeltaNet chunk summaries "
+            "and reads (torch functions)"),
 ])
 @pytest.mark.launches("trainer/fsdp2-FULL_STATE_DICT", "trainer/fsdp2-compiled", "trainer/cp2", "trainer/cp2-compiled")
 def test_accelerates_dynamo_config_compiles_the_prepared_model_and_trains_as_eager(launched, layout, regions):

@@ -5,8 +5,8 @@ eagerly), and each GatedDeltaNet layer holds a unit of its own, the fp32 gate ho
 middle of its forward. So the compiled regions are the ones between those boundaries (torchtitan
 compiles whole blocks before sharding them; here no region holds a unit, so they compile after
 the parallelizer as well): in every decoder layer the two RMSNorms and
-the MLP (`nn.Module.compile`, in place), the attention block where it runs no collective (not
-under CP, whose attention exchanges K/V), and the GatedDeltaNet layer's steps before and after
+the MLP (`nn.Module.compile`, in place), the attention block where it runs no collective (under
+CP, whose attention exchanges K/V, its projections and gated output around the exchange), and the GatedDeltaNet layer's steps before and after
 the gate (`_project`: padding mask, projections, beta; `_gated_output`: gated RMSNorm and
 `out_proj`), and where they are Transformers' torch functions (CPU; no CUDA kernel) and the row
 is not packed, the causal conv and the gated delta rule with the output (`_mix`; `_prefill` when
@@ -67,6 +67,10 @@ def compile_layer_regions(parts: Qwen35Parts, *, context_parallel: bool, **compi
         if isinstance(attention, nn.Module) and not context_parallel:
             _compile_module(attention, compile_kwargs)
             compiled.add("attention")
+        elif isinstance(attention, nn.Module):  # CP's attention: the steps around its K/V exchange
+            attention.__dict__[COMPILED_STEPS_ATTR] = {"cp_project": torch.compile(attention._cp_project, **compile_kwargs),
+                                                       "cp_output": torch.compile(attention._cp_output, **compile_kwargs)}
+            compiled.add("attention projections and output")
         linear = getattr(layer, "linear_attn", None)
         if linear is not None:
             if not has_fp32_gate(linear):
@@ -83,6 +87,6 @@ def compile_layer_regions(parts: Qwen35Parts, *, context_parallel: bool, **compi
                 steps["cp_read"] = torch.compile(read_halves, **compile_kwargs)
                 compiled.add("GatedDeltaNet chunk summaries and reads (torch functions)")
             linear.__dict__[COMPILED_STEPS_ATTR] = steps
-    order = ("norms", "MLP", "attention", "GatedDeltaNet projections and gated output",
+    order = ("norms", "MLP", "attention", "attention projections and output", "GatedDeltaNet projections and gated output",
              "GatedDeltaNet conv and gated delta rule (torch functions)", "GatedDeltaNet chunk summaries and reads (torch functions)")
     return ", ".join(part for part in order if part in compiled)

@@ -21,6 +21,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
+from ...model.fp32_gate import COMPILED_STEPS_ATTR
 from ..collectives import all_gather_with_grad
 from .documents import DOCUMENTS_KWARG, ShardedDocuments
 from .layout import rank_chunks, unshard_sequence
@@ -203,15 +204,9 @@ class ContextParallelAttention(hf.Qwen3_5Attention):
                 "attention under context parallelism does not support a cache (generation); run generation on a model "
                 "without context parallelism."
             )
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states, gate = torch.chunk(self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
-        gate = gate.reshape(*input_shape, -1)
-        query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
-        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        query_states, key_states = hf.apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        # torch.compile'd per layer (`parallel.regional_compile`): the steps around the K/V exchange.
+        steps = self.__dict__.get(COMPILED_STEPS_ATTR) or {}
+        query_states, key_states, value_states, gate = steps.get("cp_project", self._cp_project)(hidden_states, *position_embeddings)
         attn_output = cp_attention(
             self,
             query_states,
@@ -224,9 +219,29 @@ class ContextParallelAttention(hf.Qwen3_5Attention):
             documents=kwargs.pop(DOCUMENTS_KWARG, None),
             **kwargs,
         )
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = attn_output * torch.sigmoid(gate)
-        return self.o_proj(attn_output), None
+        return steps.get("cp_output", self._cp_output)(attn_output, gate), None
+
+    def _cp_project(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Transformers' steps before attention: [batch, seq, hidden] -> query [batch, heads, seq,
+        head_dim], key and value [batch, kv_heads, seq, head_dim] (normed, rotated), the output gate
+        [batch, seq, heads · head_dim]."""
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states, gate = torch.chunk(self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(*input_shape, -1)
+        query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states, key_states = hf.apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return query_states, key_states, value_states, gate
+
+    def _cp_output(self, attn_output: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Transformers' steps after attention: the gated `o_proj` of attn_output [batch, seq, heads,
+        head_dim] -> [batch, seq, hidden]."""
+        attn_output = attn_output.reshape(*gate.shape[:-1], -1).contiguous()
+        return self.o_proj(attn_output * torch.sigmoid(gate))
 
 
 class ContextParallelMoeAttention(ContextParallelAttention, hf_moe.Qwen3_5MoeAttention):

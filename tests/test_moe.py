@@ -376,9 +376,10 @@ def test_hsdp_2x2_on_moe_equals_one_process():
     run_world(_hsdp_worker, 4)
 
 
-def test_regional_compile_on_moe_leaves_the_sparse_block_eager_and_equals_eager():
-    """torch.compile per decoder layer (aot_eager): the regions of the dense family but the
-    sparse block (its experts loop routes by data); loss and every gradient equal eager's."""
+def test_regional_compile_on_moe_compiles_the_shared_expert_and_equals_eager():
+    """torch.compile per decoder layer (aot_eager): the regions of the dense family, of the sparse
+    block its shared expert only (the experts and the router route by data); loss and every
+    gradient equal eager's."""
     from qwen35_accel.model.detect import FAMILIES, qwen35_parts
     from qwen35_accel.model.fp32_gate import install_fp32_gate
     from qwen35_accel.parallel.regional_compile import compile_layer_regions
@@ -388,7 +389,9 @@ def test_regional_compile_on_moe_leaves_the_sparse_block_eager_and_equals_eager(
     model = copy.deepcopy(reference)
     install_fp32_gate(model)
     regions = compile_layer_regions(qwen35_parts(model, families=FAMILIES), context_parallel=False, backend="aot_eager")
-    assert "MLP" not in regions and regions.startswith("norms, attention, GatedDeltaNet projections")
+    assert "MLP" not in regions and regions.startswith("norms, shared expert, attention, GatedDeltaNet projections")
+    assert model.model.layers[0].mlp.shared_expert._compiled_call_impl is not None
+    assert model.model.layers[0].mlp.experts._compiled_call_impl is None
     batch = random_batch(2, SEQ, reference.config.vocab_size, seed=0)
     want, got = reference(**batch).loss, model(**batch).loss
     want.backward()

@@ -56,13 +56,17 @@ def compile_layer_regions(parts: Qwen35Parts, *, context_parallel: bool, **compi
     Returns what was compiled, in words, for the prepared line."""
     compiled: set[str] = set()
     for layer in parts.decoder_layers:
-        # The MoE family's sparse block routes by data (its experts loop): left eager.
-        mlp = ("mlp",) if parts.family == "dense" else ()
-        for name in ("input_layernorm", "post_attention_layernorm", *mlp):
+        for name in ("input_layernorm", "post_attention_layernorm"):
             module = getattr(layer, name, None)
             if isinstance(module, nn.Module):
                 _compile_module(module, compile_kwargs)
-                compiled.add("MLP" if name == "mlp" else "norms")
+                compiled.add("norms")
+        if parts.family == "dense":
+            _compile_module(layer.mlp, compile_kwargs)
+            compiled.add("MLP")
+        else:  # the sparse block routes by data (experts, and the router whose logits a hook records): its shared expert
+            _compile_module(layer.mlp.shared_expert, compile_kwargs)
+            compiled.add("shared expert")
         attention = getattr(layer, "self_attn", None)
         if isinstance(attention, nn.Module) and not context_parallel:
             _compile_module(attention, compile_kwargs)
@@ -87,6 +91,6 @@ def compile_layer_regions(parts: Qwen35Parts, *, context_parallel: bool, **compi
                 steps["cp_read"] = torch.compile(read_halves, **compile_kwargs)
                 compiled.add("GatedDeltaNet chunk summaries and reads (torch functions)")
             linear.__dict__[COMPILED_STEPS_ATTR] = steps
-    order = ("norms", "MLP", "attention", "attention projections and output", "GatedDeltaNet projections and gated output",
+    order = ("norms", "MLP", "shared expert", "attention", "attention projections and output", "GatedDeltaNet projections and gated output",
              "GatedDeltaNet conv and gated delta rule (torch functions)", "GatedDeltaNet chunk summaries and reads (torch functions)")
     return ", ".join(part for part in order if part in compiled)

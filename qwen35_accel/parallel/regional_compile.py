@@ -69,7 +69,10 @@ def compile_layer_regions(parts: Qwen35Parts, *, context_parallel: bool, **compi
             compiled.add("shared expert")
         attention = getattr(layer, "self_attn", None)
         if isinstance(attention, nn.Module) and not context_parallel:
-            _compile_module(attention, compile_kwargs)
+            # Its forward, not its call: Transformers' output-recorder hooks on attention modules (a
+            # MoE model recording router logits) read a ContextVar, which breaks a graph.
+            attention.forward = torch.compile(attention.forward, **compile_kwargs)
+            attention.__dict__[REGION_ATTR] = True
             compiled.add("attention")
         elif isinstance(attention, nn.Module):  # CP's attention: the steps around its K/V exchange
             attention.__dict__[COMPILED_STEPS_ATTR] = {"cp_project": torch.compile(attention._cp_project, **compile_kwargs),

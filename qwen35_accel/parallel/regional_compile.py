@@ -4,17 +4,20 @@ Compiling a whole FSDP2-sharded model breaks the graph at every unit's hooks (FS
 eagerly), and each GatedDeltaNet layer holds a unit of its own, the fp32 gate holder, in the
 middle of its forward. So the compiled regions are the ones between those boundaries (torchtitan
 compiles whole blocks before sharding them; here no region holds a unit, so they compile after
-the parallelizer as well): in every decoder layer the two RMSNorms and
-the MLP (`nn.Module.compile`, in place), the attention block where it runs no collective (under
-CP, whose attention exchanges K/V, its projections and gated output around the exchange), and the GatedDeltaNet layer's steps before and after
-the gate (`_project`: padding mask, projections, beta; `_gated_output`: gated RMSNorm and
-`out_proj`), and where they are Transformers' torch functions (CPU; no CUDA kernel) and the row
-is not packed, the causal conv and the gated delta rule with the output (`_mix`; `_prefill` when
-the forward fills a fresh cache, as training does with `use_cache` left True). Eager: CUDA
-kernels (FLA's Triton rule and conv, causal-conv1d: compiled already), packed rows (their
-document groups are host-side bookkeeping), CP's conv and state exchange (collectives; the rule's
-local chunk summaries and reads around the exchange are compiled), the gate holder,
-the loss head. Under tp the same regions compile on the head-parallel slices.
+the parallelizer as well). In every decoder layer:
+- the two RMSNorms and the MLP (`nn.Module.compile`, in place; of a MoE block its shared expert);
+- the attention block's forward (its call's hooks stay eager), or under CP, whose attention
+  exchanges K/V, its projections and gated output around the exchange;
+- the GatedDeltaNet layer's steps before and after the gate (`_project`: padding mask,
+  projections, beta; `_gated_output`: gated RMSNorm and `out_proj`), and where they are
+  Transformers' torch functions (CPU; no CUDA kernel) and the row is not packed, the causal conv
+  and the gated delta rule with the output (`_mix`; `_prefill` when the forward fills a fresh
+  cache, as training does with `use_cache` left True), under CP the rule's local chunk summaries
+  and reads around the state exchange.
+Eager: CUDA kernels (FLA's Triton rule and conv, causal-conv1d: compiled already), packed rows
+(their document groups are host-side bookkeeping), CP's collectives, the gate holder, the routed
+experts and the router, the loss head. Under tp the same regions compile on the head-parallel
+slices.
 """
 
 from __future__ import annotations

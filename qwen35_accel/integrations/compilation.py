@@ -48,9 +48,11 @@ def compile_prepared(model: nn.Module, compile_kwargs: dict[str, Any] | None, *,
         from ..model.detect import FAMILIES, qwen35_parts
         from ..parallel.regional_compile import compile_layer_regions
 
-        regions = compile_layer_regions(qwen35_parts(model, families=FAMILIES), context_parallel=context_parallel, **compile_kwargs)
+        parts = qwen35_parts(model, families=FAMILIES)
+        regions = compile_layer_regions(parts, context_parallel=context_parallel, **compile_kwargs)
+        moe = ", the routers and routed experts" if parts.family == "moe" else ""
         return (f", torch.compile (Accelerate's dynamo_config): per decoder layer, {regions}; eager: the FSDP2 units' "
-                "hooks, the gate holders, the loss head, CUDA kernels, packed rows' conv and rule, CP's collectives")
+                f"hooks, the gate holders, the loss head, CUDA kernels, packed rows' conv and rule, CP's collectives{moe}")
     if hasattr(model, "_orig_mod"):  # the script compiled the model itself (no dynamo_config)
         return ", torch.compile: the whole model (Accelerate's dynamo_config; each FSDP2 unit's hooks break the graph)"
     return ""

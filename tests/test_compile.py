@@ -99,6 +99,33 @@ def _regional_worker(rank: int, world: int, cp: int, checkpointing: bool) -> Non
         assert dict(mixed) == want, (dict(mixed), want)
 
 
+def _moe_regional_worker(rank: int, world: int, cp: int, ep: int) -> None:
+    """Qwen3.5-MoE recording its router logits under ep (and cp): the regions compile without a
+    graph break, loss and every gradient equal eager's."""
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.model.detect import FAMILIES, qwen35_parts
+    from qwen35_accel.parallel.regional_compile import compile_layer_regions
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, random_batch
+
+    mesh = init_device_mesh("cpu", (1, world // cp, cp, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    eager, model = (PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0, output_router_logits=True), mesh, ep=ep)
+                    for _ in range(2))
+    regions = compile_layer_regions(qwen35_parts(model, families=FAMILIES), context_parallel=cp > 1, backend="aot_eager")
+    assert "shared expert" in regions, regions
+    batch = random_batch(2, 32, eager.config.vocab_size, seed=rank // cp)
+    if cp > 1:
+        batch = shard_batch(batch, mesh["cp"])
+    counters = _eager_then_compiled(eager, model, model.named_parameters(), batch)
+    assert sum(counters["graph_break"].values()) == 0, counters["graph_break"]
+
+
+@pytest.mark.parametrize("cp,ep", [(1, 2), (2, 2)], ids=["ep2", "ep2xcp2"])
+def test_moe_regions_under_expert_parallelism_compile_without_a_graph_break_and_equal_eager(cp, ep):
+    run_world(_moe_regional_worker, 2, cp, ep)
+
+
 def _count_mix_steps(parts) -> "collections.Counter[str]":
     """Count the calls of every GatedDeltaNet layer's compiled conv-and-rule steps (a spy around them)."""
     import collections

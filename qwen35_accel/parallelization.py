@@ -26,6 +26,7 @@ from .parallel.activation_checkpointing import (
     vision_tower_trains,
 )
 from .parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR, ActivationOffload
+from .parallel.expert_tensor_parallel import HELD_ATTR
 from .parallel.expert_parallel import (
     ExpertMesh,
     build_expert_mesh,
@@ -166,11 +167,13 @@ class Qwen3_5ModelParallelizer:
         fsdp_mesh = dims.fsdp
 
         converted = install_fp32_gate(model)  # the outer module too: one parameter naming from the root down
-        expert_mesh = build_expert_mesh(dims, opts.ep) if opts.ep > 1 else None
+        # Under tp, ep splits each tp rank's experts over the dense FSDP2 mesh (`expert_tensor_parallel`).
+        expert_mesh = build_expert_mesh(dims, opts.ep) if opts.ep > 1 and dims.tp is None else None
         if expert_mesh is not None:
             install_expert_parallel(parts, expert_mesh)
         if dims.tp is not None:
-            apply_tensor_parallel(base, dims.tp, parts=parts)
+            apply_tensor_parallel(base, dims.tp, parts=parts, ep_mesh=fsdp_mesh if opts.ep > 1 else None,
+                                  expert_compute_dtype=opts.mp_policy.param_dtype if opts.mp_policy else None)
             if opts.vocab_parallel_lm_head:
                 apply_vocab_parallel_lm_head(base, dims.tp)
         if opts.tiled_loss != "off":  # before FSDP2, whose class swap then subclasses this one
@@ -281,7 +284,10 @@ class Qwen3_5ModelParallelizer:
                            offload_policy=offload_policy or OffloadPolicy())
                 shared_holder_unit = holders[0]
 
-        split = [block.experts for block in parts.moe_blocks if isinstance(block.experts.gate_up_proj, DTensor)]
+        # Experts held by ep x tp stay out of FSDP2 (their DTensors over `mesh` are the split already).
+        held = {p for block in parts.moe_blocks if hasattr(block.experts, HELD_ATTR) for p in block.experts.parameters()}
+        split = [block.experts for block in parts.moe_blocks
+                 if isinstance(block.experts.gate_up_proj, DTensor) and not hasattr(block.experts, HELD_ATTR)]
         if split:  # by ep (over the ranks holding the same experts) or tp (over the dp ranks)
             shard_experts(
                 split,
@@ -292,7 +298,7 @@ class Qwen3_5ModelParallelizer:
                 divide_by=expert_mesh.data_ranks if expert_mesh is not None else None,
             )
         layer_units = [
-            fully_shard_by_dtype(layer, reshard_after_forward=reshard_after_forward, **common)
+            fully_shard_by_dtype(layer, reshard_after_forward=reshard_after_forward, ignored_params=held, **common)
             for layer in parts.decoder_layers
         ]
 
@@ -326,7 +332,7 @@ class Qwen3_5ModelParallelizer:
                 "they must share one FSDP2 unit, which needs one dtype. Cast the final norm to the embedding's dtype."
             )
         # Root: FSDP2's default (None) keeps the root gathered after forward.
-        fully_shard_by_dtype(module, reshard_after_forward=None, ignored_params=ignored, **common)
+        fully_shard_by_dtype(module, reshard_after_forward=None, ignored_params=ignored | held, **common)
 
         if enable_fsdp2_prefetch:
             if shared_holder_unit is not None and layer_units:

@@ -355,3 +355,23 @@ def test_plan_knows_moe_a_million_tokens_of_35b_a3b_on_8_h200_with_ep_and_offloa
     assert planned(tight["suggested_ep"], True, f"{budget}B")["fits"]
     if tight["suggested_ep"] > 2:
         assert not planned(tight["suggested_ep"] // 2, True, f"{budget}B")["fits"]
+
+
+def test_plan_of_ep_x_tp_lists_each_ranks_held_experts_and_the_bytes_add_up(tmp_path):
+    """cpu_fsdp2_tp2.yaml with QWEN35_ACCEL_EP=2 on a MoE of 8 experts: each layer's experts are held
+    whole by their rank (2 of 8; no FSDP2 unit), listed beside the layer's units so every byte of
+    the model is counted once over all ranks; a rank holds and computes with what it holds without
+    ep too (FSDP2 shards the tp slices the same), it just gathers none of them."""
+    from qwen35_accel.testing.tiny import tiny_moe_text_config
+
+    tiny_moe_text_config(num_experts=8).save_pretrained(tmp_path / "moe8")
+    args = ("plan", "--model", str(tmp_path / "moe8"), "--config", str(CONFIGS / "cpu_fsdp2_tp2.yaml"), "--seq-len", "256")
+    held, tp = cli(*args, env={"QWEN35_ACCEL_EP": "2"}), cli(*args)
+    assert held["tensor_parallel"]["status"] == "applied" and held["experts"]["ep"] == 2
+    rows = [u for u in held["layers"][0]["units"] if u["modules"] == ["model.layers.0.mlp.experts (held: ep x tp)"]]
+    hidden, inter = 32, tiny_moe_text_config().moe_intermediate_size
+    assert len(rows) == 1 and rows[0]["params"] == 2 * 3 * inter * hidden, rows  # 2 experts: gate_up and down
+    assert held["sharded_bytes_all_ranks"] == held["model_bytes"] == tp["sharded_bytes_all_ranks"]
+    assert held["bytes_per_rank_max"] == tp["bytes_per_rank_max"]
+    assert held["memory_per_rank"]["parameters"] == tp["memory_per_rank"]["parameters"]
+    assert held["memory_per_rank"]["transient"] < tp["memory_per_rank"]["transient"]  # no expert gathered

@@ -269,6 +269,22 @@ def test_moe_experts_are_held_in_the_same_shards_with_ep_and_gathered_by_the_ep_
     assert shape.parameters() == sum(p.numel() for p in model.parameters())
 
 
+def test_suggest_ep_under_tp_names_only_the_ep_that_spans_dp_shard_x_cp():
+    """ep × tp needs ep = dp_shard × cp (the experts held whole, outside FSDP2), no HSDP, and ep × tp
+    dividing the experts: `--suggest` proposes nothing else."""
+    from qwen35_accel.memory.report import suggest_ep
+    from qwen35_accel.testing.tiny import tiny_moe_text_config
+
+    options = StepOptions(seq_len=256, device="cpu", compute_bytes=4, param_bytes=4)
+    roomy = 1 << 40
+    eight = ModelShape.from_config(tiny_moe_text_config(num_experts=8))
+    assert suggest_ep(eight, Parallel(dp_shard=4, tp=2), options, roomy) == 4  # not 2: that leaves copies to shard
+    assert suggest_ep(eight, Parallel(dp_shard=2, tp=2), options, roomy) == 2
+    assert suggest_ep(eight, Parallel(dp_replicate=2, dp_shard=2, tp=2), options, roomy) is None
+    assert suggest_ep(ModelShape.from_config(tiny_moe_text_config(num_experts=6)), Parallel(dp_shard=2, tp=2), options, roomy) is None
+    assert suggest_ep(eight, Parallel(dp_shard=4), options, roomy) == 2
+
+
 def _measured_loss_peak(mode: str, dtype: torch.dtype, tokens: int, hidden: int, vocab: int, block: tuple[int, int]) -> int:
     """Peak bytes of one lm_head + cross entropy step (forward, backward) above what existed
     before it: every tensor's storage from allocation to release (torch's MemTracker). The

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from _dist import run_world
 from _parity import assert_close, assert_grads_match, full, hf_name
@@ -42,10 +42,13 @@ def _parity(rank: int, world: int, *, ep: int, cp: int, num_experts: int, activa
         mesh = cp_mesh(world, cp) if dp_replicate == 1 else accelerate_style_mesh(world, dp_replicate=dp_replicate)
     PARALLELIZER.apply(model, mesh, ep=ep, activation_checkpointing=activation_checkpointing, activation_offload=activation_offload)
     experts = model.model.layers[0].mlp.experts
-    split = max(ep, tp)
-    assert experts.num_experts == num_experts // split and isinstance(experts.gate_up_proj, DTensor)
-    if ep > 1:  # this rank's whole experts, a Shard(0) DTensor over ep (FSDP2 shards them over efsdp too)
-        weight = experts.gate_up_proj
+    assert experts.num_experts == num_experts // (ep * tp) and isinstance(experts.gate_up_proj, DTensor)
+    weight = experts.gate_up_proj
+    if ep > 1 and tp > 1:  # this tp rank's experts, a Shard(0) DTensor over the dense FSDP2 mesh, outside FSDP2
+        dense = model.model.layers[0].input_layernorm.weight
+        assert weight.device_mesh == dense.device_mesh and weight.placements == (Shard(0),), weight
+        assert type(experts).__name__ == "Qwen3_5MoeExperts", "held experts are no FSDP2 unit"
+    elif ep > 1:  # this rank's whole experts, a Shard(0) DTensor over ep (FSDP2 shards them over efsdp too)
         assert weight.device_mesh.mesh_dim_names[-1] == "ep" and weight.placements[-1].is_shard(0), weight
     ref_routes, _ = _routing(reference)
     routes, _ = _routing(model)
@@ -115,7 +118,8 @@ def _world2(rank: int, world: int) -> None:
         PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0, num_experts=5), cp_mesh(world, 1), ep=2)
     with pytest.raises(ValueError, match=r"expert parallelism needs a Qwen3.5-MoE model; this one is dense"):
         PARALLELIZER.apply(build_tiny_causal_lm(seed=0), cp_mesh(world, 1), ep=2)
-    with pytest.raises(NotImplementedError, match=r"ep=2 with tp 2: tensor parallelism splits the experts over the tp ranks"):
+    with pytest.raises(ValueError, match=r"ep=2 does not divide the 1 ranks of dp_shard x cp .*\(world 2 = dp_replicate 1 "
+                       r"x dp_shard x cp 1 x tp 2\)"):
         PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), mesh_for(world, 1, 1, 2), ep=2)
     # GRPO/RLOO's patch points on a MoE model under cp: refused, where a dense model gets its replicas.
     from types import SimpleNamespace
@@ -138,18 +142,70 @@ def test_ep2_equals_one_process_with_the_same_routing_and_a_full_state_dict_load
 
 
 def _world4(rank: int, world: int) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+    from test_tensor_parallel import mesh_for
+
     _parity(rank, world, ep=2, cp=2, num_experts=6)  # ep carved out of dp_shard × cp: the ep groups are cp groups
     _parity(rank, world, ep=2, cp=1, num_experts=6)  # two copies of each expert, FSDP2-sharded over them
     _parity(rank, world, ep=4, cp=1, num_experts=8)  # every rank its own 2 experts
     _parity(rank, world, ep=2, cp=1, num_experts=6, dp_replicate=2)  # HSDP 2 x 2: each replica an ep group
     _parity(rank, world, ep=1, cp=1, num_experts=6, tp=2)  # dp 2 x tp 2: the tp ranks split the experts whole
     _parity(rank, world, ep=1, cp=2, num_experts=6, tp=2)  # cp 2 x tp 2
+    # ep x tp: each tp rank's experts split over the dp (or cp) ranks, outside FSDP2, one gradient mesh
+    _parity(rank, world, ep=2, cp=1, num_experts=8, tp=2, activation_checkpointing=True)
+    _parity(rank, world, ep=2, cp=2, num_experts=8, tp=2)
+    _held_experts_compute_in_the_policys_dtype(rank, world)
+    with pytest.raises(ValueError, match=r"ep=2 x tp 2 = 4 does not divide the model's 6 experts per layer"):
+        PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0, num_experts=6), mesh_for(world, 2, 1, 2), ep=2)
     dist.barrier()
 
 
+def _held_experts_compute_in_the_policys_dtype(rank: int, world: int) -> None:
+    """ep 2 x tp 2 under a bf16 compute policy (fp32 storage, as Accelerate's FSDP2 mixed
+    precision): the held experts, outside FSDP2, are cast as FSDP2 casts the rest (without it
+    the experts' matmul meets bf16 tokens with fp32 weights); their gradients stay fp32 DTensors
+    on the dense mesh, and the loss is the fp32 model's within bf16's rounding."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, random_batch
+    from test_tensor_parallel import mesh_for
+
+    reference = build_tiny_moe_causal_lm(seed=0, num_experts=8)
+    model = build_tiny_moe_causal_lm(seed=0, num_experts=8)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    PARALLELIZER.apply(model, mesh_for(world, 2, 1, 2), ep=2, mp_policy=policy)
+    batch = random_batch(BATCH_PER_RANK * 2, SEQ, reference.config.vocab_size, seed=7)
+    mine = {k: v[rank // 2 * BATCH_PER_RANK : (rank // 2 + 1) * BATCH_PER_RANK] for k, v in batch.items()}
+    loss = model(**mine).loss
+    loss.backward()
+    grad = model.model.layers[0].mlp.experts.gate_up_proj.grad
+    assert isinstance(grad, DTensor) and grad.dtype == torch.float32 and grad.to_local().abs().sum() > 0
+    assert abs(loss.item() - reference(**mine).loss.item()) < 2e-2 * abs(loss.item())
+
+
 @pytest.mark.slow
-def test_ep2_x_cp2_ep2_with_sharded_copies_ep4_hsdp_and_tp2_equal_one_process():
+def test_ep2_x_cp2_ep2_with_sharded_copies_ep4_hsdp_tp2_and_ep2_x_tp2_equal_one_process():
     run_world(_world4, 4)
+
+
+def test_ep_x_tp_layouts_it_cannot_take_are_refused_with_the_numbers():
+    """ep × tp needs ep to span dp_shard × cp (the experts outside FSDP2, on the dense mesh) and
+    no HSDP: the sizes alone decide (the same on every rank), so no world is needed."""
+    from qwen35_accel.model.detect import FAMILIES, qwen35_parts
+    from qwen35_accel.parallel.expert_parallel import check_expert_parallel
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+
+    parts = qwen35_parts(build_tiny_moe_causal_lm(seed=0, num_experts=8), families=FAMILIES)
+    check_expert_parallel(parts, ep=4, data_ranks=4, dp_replicate=1, tp_size=2)  # world 8: 8 experts, 1 per rank
+    with pytest.raises(NotImplementedError, match=r"ep=2 with tp 2: under tensor parallelism ep must span all 4 ranks of "
+                       r"dp_shard x cp .* ep=2 would leave 2 copies of each expert .* Choose ep=4, or no tp"):
+        check_expert_parallel(parts, ep=2, data_ranks=4, dp_replicate=1, tp_size=2)
+    with pytest.raises(NotImplementedError, match=r"ep=2 with tp 2 under HSDP \(dp_replicate 2\) is not built"):
+        check_expert_parallel(parts, ep=2, data_ranks=2, dp_replicate=2, tp_size=2)
+    with pytest.raises(ValueError, match=r"ep=4 x tp 4 = 16 does not divide the model's 8 experts"):
+        check_expert_parallel(parts, ep=4, data_ranks=4, dp_replicate=1, tp_size=4)
 
 
 @pytest.mark.parametrize("family", ["moe", "dense"])

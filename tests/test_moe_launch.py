@@ -27,6 +27,13 @@ def save_tiny_moe(path: Path) -> None:
     build_tiny_moe_causal_lm(seed=0, vocab_size=264, eos_token_id=256, pad_token_id=256).save_pretrained(path)
 
 
+def save_tiny_moe8(path: Path) -> None:
+    """`save_tiny_moe` with 8 experts: ep 2 x tp 2 holds 2 per rank."""
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+
+    build_tiny_moe_causal_lm(seed=0, vocab_size=264, eos_token_id=256, pad_token_id=256, num_experts=8).save_pretrained(path)
+
+
 EP2 = {"QWEN35_ACCEL_EP": "2"}
 # SGD with momentum: linear in the gradients, as plain SGD (see test_trainer_launch), and with an
 # optimizer state for the checkpoints to carry (torch's full-state-dict load of a stateless
@@ -42,6 +49,13 @@ register(**{
                               setup=save_tiny_moe, env=EP2),
     # dp 2 x tp 2 (world 4): head-parallel mixers, the shared expert split as an MLP, the routed experts whole over tp.
     "moe/dp2xtp2": recipe_run("cpu_fsdp2_tp2.yaml", "--per_device_train_batch_size", "2", *MOE, setup=save_tiny_moe),
+    # ep 2 x tp 2 (world 4): each tp rank's 4 experts split over the 2 dp ranks, outside FSDP2.
+    "moe8/reference": recipe_run(None, "--per_device_train_batch_size", "4", *MOE, setup=save_tiny_moe8),
+    "moe8/ep2xtp2": recipe_run("cpu_fsdp2_tp2.yaml", "--per_device_train_batch_size", "2", *MOE, *RESUME_FROM,
+                               setup=save_tiny_moe8, env=EP2),
+    "moe8/tp2-from-ep2xtp2": recipe_run("cpu_fsdp2_tp2.yaml", "--per_device_train_batch_size", "2", *MOE,
+                                        "--resume_from_checkpoint", "{out:moe8/ep2xtp2}/checkpoint-2", setup=save_tiny_moe8,
+                                        after=("moe8/ep2xtp2",)),
     # Each one's step-2 checkpoint resumed in the other layout.
     "moe/cp2-from-ep2": recipe_run("cpu_fsdp2_cp2.yaml", "--per_device_train_batch_size", "4", *MOE,
                                    "--resume_from_checkpoint", "{out:moe/ep2-cp2}/checkpoint-2", setup=save_tiny_moe,
@@ -100,10 +114,15 @@ def test_a_checkpoint_saved_under_ep2_resumes_without_ep_and_back(launched):
     resumes under cp 2 without ep, and the cp 2 run's under ep 2: steps 3-4 repeat the uninterrupted
     run's losses and grad norms, and the saved weights equal (fp32 rtol 1e-5: the layouts sum the
     experts' gradients in another order; plain SGD, see test_trainer_launch)."""
-    for resumed, full in (("moe/cp2-from-ep2", "moe/ep2-cp2"), ("moe/ep2-from-cp2", "moe/cp2")):
+    _assert_resumed(launched, (("moe/cp2-from-ep2", "moe/ep2-cp2"), ("moe/ep2-from-cp2", "moe/cp2")))
+
+
+def _assert_resumed(launched, pairs: tuple[tuple[str, str], ...]) -> None:
+    """Each (resumed, uninterrupted) pair: steps 3-4's losses and grad norms and the saved weights equal."""
+    for resumed, full in pairs:
         a, b = launched(resumed), launched(full)
         assert (b.out / "checkpoint-2").is_dir()
-        assert ("ep=2 (experts" in a.stderr) is (resumed == "moe/ep2-from-cp2"), a.stderr[-2000:]
+        assert ("ep=2 (experts" in a.stderr) is ("from-cp2" in resumed), a.stderr[-2000:]
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(torch.tensor(losses(a.out, key)[-2:]), torch.tensor(losses(b.out, key)[-2:]),
                                        rtol=1e-5, atol=0, msg=lambda m, key=key: f"{resumed} {key}: {m}")
@@ -149,3 +168,17 @@ def test_a_qwen35_moe_model_under_dp2_x_tp2_trains_as_one_process(launched):
     assert len(lines) == 1 and "Qwen3_5MoeForCausalLM prepared by qwen35_accel" in lines[0] and "tp=2" in lines[0], run.stderr
     assert "experts: 3 of 6 per rank per layer, split over the tp ranks" in lines[0], lines[0]
     assert_same_training(run.out, reference.out, rtol=1e-5)
+
+
+@runs("moe8/reference", "moe8/ep2xtp2", "moe8/tp2-from-ep2xtp2")
+def test_a_qwen35_moe_model_under_ep2_x_tp2_trains_as_one_process_and_resumes_under_tp2(launched):
+    """cpu_fsdp2_tp2.yaml with QWEN35_ACCEL_EP=2: every rank holds 2 of the 8 experts of each layer,
+    whole, the Trainer's gradient norm (clipped at its default 1.0) spans the tp ranks' pieces
+    (every gradient lives on one device mesh), and the saved weights are one process's; its step-2
+    checkpoint resumes under tp 2 without ep (the experts FSDP2-sharded again) as if uninterrupted."""
+    run, reference = launched("moe8/ep2xtp2"), launched("moe8/reference")
+    lines = [line for line in run.stderr.splitlines() if PREPARED in line]
+    assert len(lines) == 1 and "tp=2" in lines[0], run.stderr
+    assert "ep=2 (experts: 2 of 8 per rank per layer, split over ep 2 x tp 2" in lines[0], lines[0]
+    assert_same_training(run.out, reference.out, rtol=1e-5)
+    _assert_resumed(launched, (("moe8/tp2-from-ep2xtp2", "moe8/ep2xtp2"),))

@@ -34,13 +34,16 @@ def _moe_block(shape: ModelShape, tokens: int, c: int, parallel: Parallel) -> in
     pair under dp (N·k); under tp each rank runs its experts over the shared tokens (N·k / tp,
     balanced routing), masking the others' routes (a bool per route); under ep the pairs its
     experts receive (N·k, balanced) and, for its own pairs, the returned rows the routing weights
-    multiply (hidden, c) with their order (int64). Measured equal (fp32) and within 0.1 % (bf16)
-    in one process (tests/test_memory_model.py)."""
+    multiply (hidden, c) with their order (int64); under ep × tp both, for this tp rank's share of
+    the pairs (N·k / tp), and the bool per route. Measured equal (fp32) and within 0.1 % (bf16)
+    in one process (tests/test_memory_model.py); the parallel terms are derived, not measured."""
     h, e, k = shape.hidden, shape.experts, shape.experts_per_token
     pairs = tokens * k
     total = 2 * tokens * h * c + tokens * e * 4 + tokens * k * 12 + 2 * tokens * c
     total += 4 * tokens * (shape.shared_intermediate // parallel.tp) * c
     per_pair = (3 * h + 4 * shape.expert_intermediate) * c + 16 + c
+    if parallel.tp > 1 and parallel.ep > 1:  # ep x tp: the pairs of this tp rank's experts, exchanged over ep
+        return total + pairs // parallel.tp * (per_pair + h * c + 8) + pairs
     if parallel.tp > 1:
         return total + pairs // parallel.tp * per_pair + pairs
     if parallel.ep > 1:

@@ -50,12 +50,15 @@ def suggest_cp(
 
 def suggest_ep(shape: ModelShape, parallel: Parallel, options: StepOptions, gpu_bytes: int) -> int | None:
     """A MoE model's smallest ep above the configured one whose plan fits `gpu_bytes` at this mesh
-    (ep must divide the experts and dp_shard × cp; not with tp), or None (dense, tp, or none fits).
-    ep shrinks the experts a layer gathers to compute, not the shards a rank holds."""
-    if not shape.experts or parallel.tp > 1:
+    (ep must divide the experts and dp_shard × cp; with tp it must be dp_shard × cp, without HSDP,
+    and ep × tp divide the experts), or None (dense, or none fits). ep shrinks the experts a layer
+    gathers to compute, not the shards a rank holds."""
+    if not shape.experts:
         return None
     for ep in range(parallel.ep + 1, parallel.fsdp_shards + 1):
         if shape.experts % ep or parallel.fsdp_shards % ep:
+            continue
+        if parallel.tp > 1 and (ep != parallel.fsdp_shards or parallel.dp_replicate > 1 or shape.experts % (ep * parallel.tp)):
             continue
         candidate = Parallel(parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp, parallel.vocab_parallel_lm_head, ep)
         if step_estimate(shape, candidate, options).total <= gpu_bytes:

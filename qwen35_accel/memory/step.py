@@ -30,7 +30,8 @@ def _parameter_counts(shape: ModelShape, parallel: Parallel) -> tuple[int, int, 
             split, whole = shape.layer_parameters(kind)
             gathered = split // tp + whole
             per_rank += count * (_sharded(gathered, parallel) + _sharded(experts, parallel))
-            largest = max(largest, gathered + experts // parallel.ep)
+            # ep x tp holds its experts whole, outside FSDP2: nothing of them is gathered.
+            largest = max(largest, gathered + (0 if parallel.tp > 1 and parallel.ep > 1 else experts // parallel.ep))
     embedding = shape.vocab * shape.hidden
     head = embedding // tp if parallel.vocab_parallel_lm_head else embedding
     per_rank += _sharded(embedding, parallel) + _sharded(shape.hidden, parallel)

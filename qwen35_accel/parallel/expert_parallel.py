@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.tensor import Shard
 
 from ..model.detect import Qwen35Parts
+from .expert_tensor_parallel import _check_over_tensor_parallel, describe_held
 from .fsdp import shard_unit
 from .mesh import ParallelDims
 
@@ -56,20 +57,19 @@ def check_expert_parallel(parts: Qwen35Parts, *, ep: int, data_ranks: int, dp_re
         return
     if parts.family != "moe":
         raise ValueError(f"ep={ep}: expert parallelism needs a Qwen3.5-MoE model; this one is {parts.family} (no experts)")
-    if tp_size > 1:
-        raise NotImplementedError(
-            f"ep={ep} with tp {tp_size}: tensor parallelism splits the experts over the tp ranks already (whole experts, "
-            "tokens shared); ep across the data-parallel ranks on top of it is not built. Use ep or tp for the experts"
-        )
     num_experts = parts.text_model.config.num_experts
     if num_experts % ep:
         raise ValueError(f"ep={ep} does not divide the model's {num_experts} experts per layer: choose an ep that does")
     if data_ranks % ep:
+        tp_part = f" x tp {tp_size}" if tp_size > 1 else ""
         raise ValueError(
             f"ep={ep} does not divide the {data_ranks} ranks of dp_shard x cp it is carved from "
-            f"(world {data_ranks * dp_replicate} = dp_replicate {dp_replicate} x dp_shard x cp {data_ranks}): "
+            f"(world {data_ranks * dp_replicate * tp_size} = dp_replicate {dp_replicate} x dp_shard x cp {data_ranks}{tp_part}): "
             "choose an ep that divides dp_shard x cp"
         )
+    if tp_size > 1:
+        _check_over_tensor_parallel(ep=ep, tp_size=tp_size, num_experts=num_experts, data_ranks=data_ranks,
+                                    dp_replicate=dp_replicate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,10 +192,13 @@ def describe_experts(model: nn.Module) -> str:
     """What the prepared line says of a MoE model's routed experts: "ep=1 (every rank holds
     every expert)" or "ep=2 (experts: 3 of 6 per rank per layer, all-to-all; FSDP2 over 1)"."""
     experts = next((m for m in model.modules() if isinstance(getattr(m, EXPERT_MESH_ATTR, None), ExpertMesh)), None)
+    total = model.config.get_text_config().num_experts
+    held = next((line for m in model.modules() if (line := describe_held(m, total)) is not None), None)
+    if held is not None:
+        return held
     if experts is None:
         split = next((m for m in model.modules() if getattr(m, "_is_expert_parallel", False)), None)
         if split is not None:  # tensor parallelism split them (`tensor_parallel.apply_tensor_parallel`)
-            total = model.config.get_text_config().num_experts
             return (f"ep=1 (experts: {split.num_experts} of {total} per rank per layer, split over the tp ranks, "
                     "which share the tokens)")
         return "ep=1 (every rank holds every expert)"

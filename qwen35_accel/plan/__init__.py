@@ -79,7 +79,8 @@ def plan(
     from ..memory import host_per_node
     from ..parallel.fsdp import describe_prefetch, fsdp_units
     from .comm import cp_comm
-    from .layout import by_layer, fake_world, meta_model, parallelize, reference_unit_bytes, unit_rows, vision_report
+    from .layout import (by_layer, fake_world, held_expert_rows, meta_model, parallelize, reference_unit_bytes, unit_rows,
+                         vision_report)
     from .step import step_memory
 
     started = time.perf_counter()
@@ -105,6 +106,7 @@ def plan(
         shards = sizes["dp_shard"] * sizes["cp"]
         units = fsdp_units(net) if error is None else []
         rows = unit_rows(net, units, shards, sizes["tp"]) if units else []
+        rows += held_expert_rows(net, sizes["tp"], policy.param_dtype if policy else None) if units else []
         layers, vision_rows, other = by_layer(rows, parts.layer_types)
         tower = None
         if error is None and parts.vision_model is not None and vision_tower != "none":

@@ -133,6 +133,29 @@ def unit_rows(net: Any, units: list[tuple[list[str], Any]], shards: int, tp: int
     return rows
 
 
+def held_expert_rows(net: Any, tp: int, compute: Any) -> list[dict[str, Any]]:
+    """One row per experts module held by ep × tp (`expert_tensor_parallel`: no FSDP2 unit; each
+    rank holds its whole experts, listed with the units so the bytes add up). `compute`: the
+    policy's param dtype (None: the storage's)."""
+    from ..parallel.expert_tensor_parallel import HELD_ATTR
+
+    rows = []
+    for name, module in net.named_modules():
+        if not hasattr(module, HELD_ATTR):
+            continue
+        params = list(module.parameters())
+        storage = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
+        rows.append({
+            "modules": [f"{name} (held: ep x tp)"],
+            "storage": storage,
+            "compute": str(compute).removeprefix("torch.") if compute is not None else storage,
+            "params": sum(p.to_local().numel() for p in params),
+            "bytes_per_rank_max": sum(p.to_local().numel() * p.element_size() for p in params),
+            "bytes_all_ranks": sum(p.numel() * p.element_size() * tp for p in params),
+        })
+    return rows
+
+
 def reference_unit_bytes(rows: list[dict[str, Any]], storage: int) -> int:
     """Bytes per rank (max) of a frozen reference laid out as the policy's `unit_rows`: each
     unit in the checkpoint's dtype (`storage` bytes per element; the plugin keeps a frozen

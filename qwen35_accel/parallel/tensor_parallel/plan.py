@@ -27,6 +27,7 @@ from ...model.fp32_gate import HOLDER_NAME
 from ...model.hub_kernels import swap_class
 from ..collectives import copy_to_group, reduce_from_group
 from ..expert_parallel import dispatch_experts
+from ..expert_tensor_parallel import hold_experts_over_tensor_parallel
 from ..losses import VOCAB_GROUP_ATTR, VocabParallelCausalLMLoss
 from .layout import _COLS, LAYOUTS_ATTR, TP_GROUP_ATTR, _rows, _Sliced
 from .state_dict import _gather_hook, _slice_hook
@@ -221,9 +222,12 @@ def _split_module(module: nn.Module, layouts: dict[str, _Sliced], tp_mesh: Devic
     setattr(module, TP_GROUP_ATTR, group)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, parts: Qwen35Parts | None = None) -> int:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, parts: Qwen35Parts | None = None,
+                          ep_mesh: DeviceMesh | None = None, expert_compute_dtype: torch.dtype | None = None) -> int:
     """Split a Qwen3.5 model's decoder layers by heads over `tp_mesh`, in place (MoE: the shared
-    expert as the dense MLP, the routed experts whole over the tp ranks, `expert_parallel.dispatch_experts`).
+    expert as the dense MLP, the routed experts whole over the tp ranks, `expert_parallel.dispatch_experts`;
+    with `ep_mesh`, the dense FSDP2 mesh, each tp rank's experts split over it too and reached by
+    all-to-all: `expert_tensor_parallel`, computing in `expert_compute_dtype`).
 
     PEFT LoRA layers are split with their base (`_with_adapters`); DoRA, `lora_bias` and
     other PEFT tuners raise NotImplementedError naming the layer.
@@ -279,7 +283,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, parts: Qwen3
             experts = layer.mlp.experts
             experts.num_experts //= tp
             experts._is_expert_parallel = True  # Transformers' flag: the experts forward masks other ranks' routes
-            dispatch_experts(experts, tp_mesh, batch=tp_mesh, implementation="all_reduce")
+            if ep_mesh is None:
+                dispatch_experts(experts, tp_mesh, batch=tp_mesh, implementation="all_reduce")
+            else:
+                hold_experts_over_tensor_parallel(experts, ep_mesh, tp_mesh, compute_dtype=expert_compute_dtype)
     return len(parts.decoder_layers)
 
 

@@ -13,6 +13,9 @@
 #                                          # offload on/off at 32k and 64k tokens, peak memory and step time (~4 min)
 #   bash benchmarks/gpu_session.sh compile # there, only if device time is left: carry [".whl"], timeout_s 300: eager vs
 #                                          # inductor, Transformers' layers vs the plugin's per-layer regions (~4 min)
+#   bash benchmarks/gpu_session.sh moe     # there, carry [".whl"], timeout_s 300: Qwen3.5-MoE (35B-A3B's shape, 4 layers)
+#                                          # at ep 1 and ep = every GPU: tokens/s, peak memory, plan's prediction (~3 min;
+#                                          # one GPU: ep 1 only, ep needs 2+)
 #
 # The GPU image (see the device tool's KINDS.md) has torch 2.11 (supported), Transformers 5.17
 # (qwen35_accel needs 5.24), Triton 3.6 and no flash-linear-attention: `.whl` carries
@@ -39,6 +42,13 @@ PLATFORMS=(--only-binary=:all: --python-version 3.12 --implementation cp --platf
 
 install() {  # the carried wheels of $1 into /tmp/site (kept there while the machine stays warm)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$1"/*.whl
+}
+
+prepare() {  # every measuring call: the results folder, the carried wheels, the environment
+    OUT=${OUT:-$PWD/gpu_session_out}
+    mkdir -p "$OUT"
+    install "$WHEELS"
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 }
 
 case "${1:-}" in
@@ -72,10 +82,7 @@ hopper)
     command -v nvcc && nvcc --version | tail -1
     ;;
 run)
-    OUT=${OUT:-$PWD/gpu_session_out}
-    mkdir -p "$OUT"
-    install "$WHEELS"
-    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+    prepare
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
     python3 -c "import torch, transformers, qwen35_accel; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'qwen35_accel', qwen35_accel.__file__)" 2>&1 | tee -a "$OUT/gpu.txt" || echo "the version probe failed (above)"
@@ -101,10 +108,7 @@ transformers.__version__, 'qwen35_accel', qwen35_accel.__file__)" 2>&1 | tee -a 
     grep '^|' "$OUT/gpu_step.log" || tail -c 3000 "$OUT/gpu_step.log"
     ;;
 run2)
-    OUT=${OUT:-$PWD/gpu_session_out}
-    mkdir -p "$OUT"
-    install "$WHEELS"
-    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+    prepare
     timeout 200 python3 benchmarks/gpu_step.py --models 9B --seqs 32768 --steps 3 --warmup 1 --budget 90 \
         --timeout 150 --results-dir "$OUT" > "$OUT/gpu_step_9b.log" 2>&1 || echo "gpu_step (9B) exited $?"
     grep '^|' "$OUT/gpu_step_9b.log" || tail -c 3000 "$OUT/gpu_step_9b.log"
@@ -118,10 +122,7 @@ run2)
     grep tf32_summaries "$OUT/tf32_ieee.log" | head -8
     ;;
 offload)
-    OUT=${OUT:-$PWD/gpu_session_out}
-    mkdir -p "$OUT"
-    install "$WHEELS"
-    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+    prepare
     # Activation offload's side stream and prefetch (issue 39): checkpointing with and without offload,
     # one process, 8 layers of 2B-like width, bf16, at 32k and 64k tokens: peak above the model
     # (max_memory_allocated), saved bytes on the device, step time.
@@ -130,18 +131,22 @@ offload)
     grep -E '^\||\*\*' "$OUT/offload_step.log" || tail -c 3000 "$OUT/offload_step.log"
     ;;
 compile)
-    OUT=${OUT:-$PWD/gpu_session_out}
-    mkdir -p "$OUT"
-    install "$WHEELS"
-    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+    prepare
     # torch.compile (issue 47): eager and inductor side by side, Transformers' layers compiled whole, the
     # plugin's per decoder layer between its FSDP2 units (as under Accelerate's dynamo_config), 2B-shaped at 8k.
     timeout 280 python3 benchmarks/gpu_step.py --models 2B --seqs 8192 --steps 3 --warmup 2 --torch_compile --budget 200 \
         --timeout 130 --results-dir "$OUT" > "$OUT/gpu_step_compile.log" 2>&1 || echo "gpu_step (compile) exited $?"
     grep '^|' "$OUT/gpu_step_compile.log" || tail -c 3000 "$OUT/gpu_step_compile.log"
     ;;
+moe)
+    prepare
+    # Qwen3.5-MoE (issue 46): every GPU a rank over NCCL (the script starts torchrun), ep 1 against ep = world.
+    timeout 280 python3 benchmarks/moe_gpu_step.py --layers 4 --seq 8192 --steps 3 --warmup 1 --timeout 270 \
+        --results-dir "$OUT" > "$OUT/moe_gpu_step.log" 2>&1 || echo "moe_gpu_step exited $?"
+    grep '^|' "$OUT/moe_gpu_step.log" || tail -c 3000 "$OUT/moe_gpu_step.log"
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh fetch|hopper|run|run2|offload|compile" >&2
+    echo "usage: bash benchmarks/gpu_session.sh fetch|hopper|run|run2|offload|compile|moe" >&2
     exit 2
     ;;
 esac

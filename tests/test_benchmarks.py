@@ -318,3 +318,12 @@ def test_moe_step_smoke():
     assert float(rows["expert weights of a layer while it computes"][3]) == 0.5
     assert float(rows["parameters + gradients + AdamW state held"][3]) == 1.0
     assert float(rows["step time, median"][3].split()[0]) > 0
+
+
+def test_moe_gpu_step_smoke_runs_ep1_and_ep2_on_the_same_model():
+    """The GPU MoE entry's CPU smoke (2 gloo ranks, tiny fp32 MoE): ep 1 and ep 2 both run and their
+    first losses agree (the same weights and batch), with plan's prediction beside each."""
+    rows = {r[0]: r for r in _table_rows(_smoke("moe_gpu_step.py"), "| config |")}
+    assert set(rows) == {"ep 1", "ep 2"}, rows
+    assert math.isclose(float(rows["ep 1"][5]), float(rows["ep 2"][5]), rel_tol=1e-5), rows
+    assert all(float(r[4]) > 0 and float(r[1].replace(",", "")) > 0 for r in rows.values()), rows

@@ -375,3 +375,38 @@ def test_plan_of_ep_x_tp_lists_each_ranks_held_experts_and_the_bytes_add_up(tmp_
     assert held["bytes_per_rank_max"] == tp["bytes_per_rank_max"]
     assert held["memory_per_rank"]["parameters"] == tp["memory_per_rank"]["parameters"]
     assert held["memory_per_rank"]["transient"] < tp["memory_per_rank"]["transient"]  # no expert gathered
+
+
+# Qwen3.5-122B-A10B's text config as five public write-ups quote its config.json (a Megatron
+# overlap study, an MLX expert-GEMM benchmark, a model table, two architecture notes; the file
+# itself was not at hand): 48 layers (36 GatedDeltaNet + 12 attention), hidden 3072, 32 heads /
+# 2 KV heads of 256, GatedDeltaNet 16 key / 64 value heads of 128, 256 experts top 8 of width
+# 1024, a shared expert of 1024, vocab 248,320, untied. Built, it has 122.1 B parameters.
+SHAPE_122B_A10B = dict(
+    hidden_size=3072, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128, linear_value_head_dim=128,
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+    vocab_size=248320, tie_word_embeddings=False,
+)
+
+
+def test_plan_fits_131072_tokens_of_122b_a10b_per_row_on_4_nodes_of_8_h200(tmp_path):
+    """The issue's goal: Qwen3.5-122B-A10B full fine-tuning (bf16 on fp32 masters, AdamW) at 131,072
+    tokens per row on 4 nodes × 8 H200 (141 GB): cp 8 × dp_shard 4 with checkpointing, ep 8 (each
+    rank 32 of the 256 experts per layer) and ep 32 (8 each) both fit; the plan adds up to the model."""
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    config = Qwen3_5MoeTextConfig(dtype="bfloat16", **SHAPE_122B_A10B)
+    config.architectures = ["Qwen3_5MoeForCausalLM"]
+    config.save_pretrained(tmp_path / "model")
+    yaml = (CONFIGS / "fsdp2_cp2.yaml").read_text().replace("num_machines: 1", "num_machines: 4")
+    yaml = yaml.replace("num_processes: 8", "num_processes: 32").replace("parallelism_config_cp_size: 2", "parallelism_config_cp_size: 8")
+    yaml = yaml.replace("fsdp_activation_checkpointing: false", "fsdp_activation_checkpointing: true")
+    (tmp_path / "4x8.yaml").write_text(yaml)
+    for ep in (8, 32):
+        p = cli("plan", "--model", str(tmp_path / "model"), "--config", str(tmp_path / "4x8.yaml"), "--seq-len", "131072",
+                "--gpu-memory", "141GB", env={"QWEN35_ACCEL_EP": str(ep)})
+        assert p["mesh"] == {"world": 32, "dp_replicate": 1, "dp_shard": 4, "cp": 8, "tp": 1}, p["mesh"]
+        assert round(p["parameters"] / 1e9, 1) == 122.1 and p["sharded_bytes_all_ranks"] == p["model_bytes"]
+        assert p["experts"] == {"per_layer": 256, "per_token": 8, "ep": ep, "efsdp": 32 // ep}
+        assert p["fits"] and p["memory_per_rank"]["total"] <= 141e9, (ep, p["memory_per_rank"])

@@ -161,7 +161,7 @@ class Qwen3_5ModelParallelizer:
         if tp_size > 1:
             check_tp_divisible(base.config.get_text_config(), tp_size)
             if opts.vocab_parallel_lm_head:
-                check_vocab_parallel(base, tp_size)
+                check_vocab_parallel(base, tp_size, parts=parts)
         if cp_size > 1:
             check_context_parallel_supported(base)
         fsdp_mesh = dims.fsdp
@@ -175,7 +175,7 @@ class Qwen3_5ModelParallelizer:
             apply_tensor_parallel(base, dims.tp, parts=parts, ep_mesh=fsdp_mesh if opts.ep > 1 else None,
                                   expert_compute_dtype=opts.mp_policy.param_dtype if opts.mp_policy else None)
             if opts.vocab_parallel_lm_head:
-                apply_vocab_parallel_lm_head(base, dims.tp)
+                apply_vocab_parallel_lm_head(base, dims.tp, parts=parts)
         if opts.tiled_loss != "off":  # before FSDP2, whose class swap then subclasses this one
             install_tiled_loss(base, mode=opts.tiled_loss)
         if opts.activation_checkpointing:

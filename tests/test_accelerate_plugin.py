@@ -243,23 +243,37 @@ def test_cpu_ram_efficient_loading_broadcasts_rank0_weights_into_the_sharded_mod
     run_world(_ram_efficient_worker, 2)
 
 
-def _ram_efficient_tp_worker(rank: int, world: int) -> None:
+def _ram_efficient_tp_worker(rank: int, world: int, moe_ep: bool = False) -> None:
+    """`moe_ep`: a MoE of 8 experts with QWEN35_ACCEL_EP=2 (ep x tp: each rank holds 2 experts
+    whole, outside FSDP2, and gets them from rank 0's weights too)."""
+    import os
+    from functools import partial
+
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
-    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_moe_causal_lm, random_batch
+    from _parity import hf_name
 
+    if moe_ep:
+        os.environ["QWEN35_ACCEL_EP"] = "2"
+    build = partial(build_tiny_moe_causal_lm, num_experts=8) if moe_ep else build_tiny_causal_lm
     accelerator = Accelerator(
         fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True),
         parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2),
     )
-    reference = build_tiny_causal_lm(seed=0)
-    model = build_tiny_causal_lm(seed=0 if rank == 0 else 123)
+    reference = build(seed=0)
+    model = build(seed=0 if rank == 0 else 123)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    try:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    finally:
+        os.environ.pop("QWEN35_ACCEL_EP", None)
     assert model.model.layers[0].linear_attn.num_v_heads == reference.config.linear_num_value_heads // 2
+    if moe_ep:
+        assert model.model.layers[0].mlp.experts.num_experts == 2
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     expected = reference.state_dict()
     assert set(state) == set(expected)
@@ -272,13 +286,14 @@ def _ram_efficient_tp_worker(rank: int, world: int) -> None:
     reference(**batch).loss.backward()
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
-        assert_close(gather_tensor_parallel(model, name, p.grad), ref_params[name].grad, f"grad of {name}")
+        assert_close(gather_tensor_parallel(model, name, p.grad), ref_params[hf_name(name)].grad, f"grad of {name}")
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # world 4
-def test_cpu_ram_efficient_loading_under_tensor_parallelism():
-    run_world(_ram_efficient_tp_worker, 4)
+@pytest.mark.parametrize("moe_ep", [False, True], ids=["dense", "moe-ep2xtp2"])
+def test_cpu_ram_efficient_loading_under_tensor_parallelism(moe_ep):
+    run_world(_ram_efficient_tp_worker, 4, moe_ep)
 
 
 def _save_load_state_tp_worker(rank: int, world: int, state_dict_type: str, tmp: str) -> None:

@@ -14,6 +14,13 @@ from _parity import assert_close, assert_grads_match, full
 pytestmark = pytest.mark.multiprocess
 
 
+def _parts(model):
+    """The located parts `_one_activation_checkpointing` takes (as the preparation hands them)."""
+    from qwen35_accel.model.detect import FAMILIES, qwen35_parts
+
+    return qwen35_parts(model, families=FAMILIES)
+
+
 def _ac_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
@@ -189,7 +196,7 @@ def test_prepared_line_names_the_vision_blocks_and_no_block_is_checkpointed_twic
 
     model = build_tiny_vlm(seed=0)
     model.activation_checkpointing_enable()
-    line, _, offload = _one_activation_checkpointing(model, True)
+    line, _, offload = _one_activation_checkpointing(_parts(model), True)
     assert line.startswith("qwen35_accel's (each decoder layer and vision block; Transformers' gradient checkpointing was on "
                            "too and is turned off on them, so nothing is checkpointed twice)"), line
     assert not any(m.gradient_checkpointing for m in (*model.model.language_model.layers, *model.model.visual.blocks))
@@ -197,12 +204,12 @@ def test_prepared_line_names_the_vision_blocks_and_no_block_is_checkpointed_twic
     frozen = build_tiny_vlm(seed=0)
     frozen.model.visual.requires_grad_(False)
     frozen.activation_checkpointing_enable()
-    line, _, offload = _one_activation_checkpointing(frozen, True)
+    line, _, offload = _one_activation_checkpointing(_parts(frozen), True)
     assert line == ("qwen35_accel's (each decoder layer, not the frozen vision tower, which keeps no activations; Transformers' "
                     "gradient checkpointing was on too and is turned off on them, so nothing is checkpointed twice; "
                     "Transformers' gradient checkpointing on 2 vision blocks)"), line
     assert all(block.gradient_checkpointing for block in frozen.model.visual.blocks)
-    assert _one_activation_checkpointing(build_tiny_vlm(seed=0), True) == ("qwen35_accel's (each decoder layer and vision block)", True, False)
+    assert _one_activation_checkpointing(_parts(build_tiny_vlm(seed=0)), True) == ("qwen35_accel's (each decoder layer and vision block)", True, False)
     assert not offload
 
 
@@ -214,25 +221,25 @@ def test_neither_offload_switch_is_dropped():
     from qwen35_accel.integrations.preparation import _one_activation_checkpointing
     from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
-    line, ours, offload = _one_activation_checkpointing(build_tiny_causal_lm(seed=0), True, accelerate_offload=True)
+    line, ours, offload = _one_activation_checkpointing(_parts(build_tiny_causal_lm(seed=0)), True, accelerate_offload=True)
     assert ours and offload and line == ("qwen35_accel's (each decoder layer; their saved inputs in host memory "
                                          "(Accelerate's fsdp_activation_checkpointing_offload))"), line
     for plugin_ac in (True, False):
         model = build_tiny_causal_lm(seed=0)
         model.activation_checkpointing_enable(offload=True)
-        line, ours, offload = _one_activation_checkpointing(model, plugin_ac)
+        line, ours, offload = _one_activation_checkpointing(_parts(model), plugin_ac)
         assert ours and offload and "their saved inputs in host memory (Transformers' offload)" in line, line
         assert ("is turned off on them" if plugin_ac else "in place of Transformers' gradient checkpointing with offload") in line
         assert not any(layer.gradient_checkpointing for layer in model.model.layers)
     model = build_tiny_causal_lm(seed=0, num_hidden_layers=4)
     model.activation_checkpointing_enable(offload=True, every_n_layers=2)
-    assert _one_activation_checkpointing(model, False) == (
+    assert _one_activation_checkpointing(_parts(model), False) == (
         "Transformers' gradient checkpointing (2 of 4 decoder layers; saved inputs in host memory (Transformers' offload))",
         False, False)
     model = build_tiny_causal_lm(seed=0)
     model.activation_checkpointing_enable()  # without offload: nothing claims host memory
-    assert _one_activation_checkpointing(model, False) == ("Transformers' gradient checkpointing (3 of 3 decoder layers)", False, False)
-    assert _one_activation_checkpointing(model, True)[1:] == (True, False)
+    assert _one_activation_checkpointing(_parts(model), False) == ("Transformers' gradient checkpointing (3 of 3 decoder layers)", False, False)
+    assert _one_activation_checkpointing(_parts(model), True)[1:] == (True, False)
 
 
 

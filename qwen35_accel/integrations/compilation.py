@@ -11,10 +11,13 @@ slices; the whole model under tp broke the graph 15 times in a step of the tiny 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ..model.detect import Qwen35Parts
 
 
 def take_over_compile(accelerator: Any, model: nn.Module) -> tuple[nn.Module, dict[str, Any] | None]:
@@ -41,18 +44,18 @@ def take_over_compile(accelerator: Any, model: nn.Module) -> tuple[nn.Module, di
     return model, dynamo.to_kwargs()
 
 
-def compile_prepared(model: nn.Module, compile_kwargs: dict[str, Any] | None, *, context_parallel: bool) -> str:
-    """Compile the prepared `model`'s regions when `take_over_compile` returned keyword arguments;
-    returns what the prepared line says about compilation ("" when nothing is compiled)."""
+def compile_prepared(parts: Qwen35Parts, compile_kwargs: dict[str, Any] | None, *, context_parallel: bool,
+                     compiled_whole: bool = False) -> str:
+    """Compile the prepared model's regions (`parts`: its located parts) when `take_over_compile`
+    returned keyword arguments; returns what the prepared line says about compilation ("" when
+    nothing is compiled). `compiled_whole`: the script compiled the model itself (`_orig_mod`)."""
     if compile_kwargs is not None:
-        from ..model.detect import FAMILIES, qwen35_parts
         from ..parallel.regional_compile import compile_layer_regions
 
-        parts = qwen35_parts(model, families=FAMILIES)
         regions = compile_layer_regions(parts, context_parallel=context_parallel, **compile_kwargs)
         moe = ", the routers and routed experts" if parts.family == "moe" else ""
         return (f", torch.compile (Accelerate's dynamo_config): per decoder layer, {regions}; eager: the FSDP2 units' "
                 f"hooks, the gate holders, the loss head, CUDA kernels, packed rows' conv and rule, CP's collectives{moe}")
-    if hasattr(model, "_orig_mod"):  # the script compiled the model itself (no dynamo_config)
+    if compiled_whole:  # the script compiled the model itself (no dynamo_config)
         return ", torch.compile: the whole model (Accelerate's dynamo_config; each FSDP2 unit's hooks break the graph)"
     return ""

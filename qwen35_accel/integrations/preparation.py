@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from .compilation import compile_prepared, take_over_compile
 from .notices import main_process_note
 from .settings import PluginSettings, check_same_on_every_rank
 from .targets import is_plugin_fsdp2_module, is_qwen35_module, the_model
+
+if TYPE_CHECKING:
+    from ..model.detect import Qwen35Parts
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +166,11 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         if hasattr(model, "tie_weights"):
             model.tie_weights()
 
+    from ..model.detect import FAMILIES, qwen35_parts
+
+    parts = qwen35_parts(model, families=FAMILIES)  # module references: valid through sharding and the meta move
     checkpointing, ours, activation_offload = _one_activation_checkpointing(
-        model, bool(plugin.activation_checkpointing), bool(getattr(plugin, "activation_checkpointing_offload", False))
+        parts, bool(plugin.activation_checkpointing), bool(getattr(plugin, "activation_checkpointing_offload", False))
     )
     options = ParallelOptions.from_settings(
         settings,
@@ -200,7 +206,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     cp = mesh_dim_size(mesh, "cp")
     from ..ops.kernels import run_summary
 
-    compiled = compile_prepared(model, compile_kwargs, context_parallel=cp > 1)
+    compiled = compile_prepared(parts, compile_kwargs, context_parallel=cp > 1, compiled_whole=hasattr(model, "_orig_mod"))
     main_process_note(
         f"{type(getattr(model, '_orig_mod', model)).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
@@ -242,7 +248,7 @@ def loss_in_effect(model: nn.Module) -> str:
     return "Transformers' (whole logits)"
 
 
-def _one_activation_checkpointing(model: nn.Module, ours: bool, accelerate_offload: bool = False) -> tuple[str, bool, bool]:
+def _one_activation_checkpointing(parts: Qwen35Parts, ours: bool, accelerate_offload: bool = False) -> tuple[str, bool, bool]:
     """Which checkpointing the decoder layers and vision blocks get, for the prepared line;
     never two at once on one module.
 
@@ -267,10 +273,8 @@ def _one_activation_checkpointing(model: nn.Module, ours: bool, accelerate_offlo
     only some layers (`every_n_layers`) it stays Transformers', offload included. Returns the
     line's text, whether ours checkpoints and whether ours offloads.
     """
-    from ..model.detect import FAMILIES, qwen35_parts
     from ..parallel.activation_checkpointing import checkpoint_targets, describe_checkpoint_targets
 
-    parts = qwen35_parts(model, families=FAMILIES)
     layers = parts.decoder_layers
     flagged = [layer for layer in layers if getattr(layer, "gradient_checkpointing", False) is True]
     blocks = [block for block in parts.vision_blocks if getattr(block, "gradient_checkpointing", False) is True]

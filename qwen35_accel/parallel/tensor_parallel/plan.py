@@ -298,10 +298,11 @@ def _is_moe(layer: nn.Module) -> bool:
 # ------------------------------------------------------------------ vocab-parallel lm_head
 
 
-def check_vocab_parallel(model: nn.Module, tp: int) -> None:
+def check_vocab_parallel(model: nn.Module, tp: int, *, parts: Qwen35Parts | None = None) -> None:
     """ValueError if the lm_head cannot be split by vocab over `tp` ranks (tied to the
-    input embedding, or a vocab size tp does not divide); NotImplementedError for Qwen3.5-MoE."""
-    parts = qwen35_parts(model, families=FAMILIES)
+    input embedding, or a vocab size tp does not divide); NotImplementedError for Qwen3.5-MoE.
+    `parts`: `model`'s, when the caller located them already."""
+    parts = parts or qwen35_parts(model, families=FAMILIES)
     if parts.family == "moe":
         raise NotImplementedError(
             "a vocab-parallel lm_head is not built for Qwen3.5-MoE models (the router's loss beside the vocab slices); "
@@ -317,21 +318,23 @@ def check_vocab_parallel(model: nn.Module, tp: int) -> None:
         raise ValueError(f"a vocab-parallel lm_head needs tp size {tp} to divide the vocab size {weight.shape[0]}")
 
 
-def apply_vocab_parallel_lm_head(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_vocab_parallel_lm_head(model: nn.Module, tp_mesh: DeviceMesh, *, parts: Qwen35Parts | None = None) -> None:
     """Split the lm_head by vocab rows over `tp_mesh` and install `VocabParallelCausalLMLoss`.
 
     Each rank computes logits for its V / tp vocab entries only ([…, V / tp], what the
     model returns as `logits`: `gather_vocab_parallel_logits` assembles them) and the
     loss combines the slices without gathering them: the lm_head's activations and the
     loss's fp32 logits shrink by tp. The state dict keeps the full Transformers layout.
-    Preconditions: as `apply_tensor_parallel`; see `check_vocab_parallel`.
+    Preconditions: as `apply_tensor_parallel`; see `check_vocab_parallel`. `parts`: `model`'s,
+    when the caller located them already.
     """
-    check_vocab_parallel(model, tp_mesh.size())
-    if hasattr(qwen35_parts(model).lm_head, "base_layer"):
+    parts = parts or qwen35_parts(model, families=FAMILIES)
+    check_vocab_parallel(model, tp_mesh.size(), parts=parts)
+    if hasattr(parts.lm_head, "base_layer"):
         raise NotImplementedError("a vocab-parallel lm_head wrapped by PEFT (LoRA on the lm_head) is not supported; "
                                   "leave the lm_head out of target_modules or vocab_parallel_lm_head off")
     group = tp_mesh.get_group()
-    lm_head = qwen35_parts(model).lm_head
+    lm_head = parts.lm_head
     _split_module(lm_head, {name: _rows(p.shape[0]) for name, p in lm_head.named_parameters(recurse=False)}, tp_mesh)
     lm_head.register_forward_pre_hook(_input_hook(group), with_kwargs=True)
     model.register_forward_pre_hook(_refuse_generation, with_kwargs=True)

@@ -54,6 +54,8 @@ register(**{
                        env={"QWEN35_ACCEL_MOE_BALANCE": "global"}),
     "kto/single": Run(None, KTO, ("{out}", "4", KTO_VARIANTS)),
     "kto/cp2": Run("cpu_fsdp2_cp2.yaml", KTO, ("{out}", "4", KTO_VARIANTS)),
+    "kto/moe-single": Run(None, KTO, ("{out}", "4", "kto", "--moe")),
+    "kto/moe-dp2": Run("cpu_fsdp2.yaml", KTO, ("{out}", "2", "kto", "--moe"), env={"QWEN35_ACCEL_MOE_BALANCE": "global"}),
 })
 
 
@@ -116,6 +118,22 @@ def test_kto_trainer_under_cp_logs_what_one_process_logs(launched):
                      for d in (cp2, single))
         assert any(k > 0 for k in want), want
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.launches("kto/moe-single", "kto/moe-dp2")
+def test_kto_trainer_on_moe_under_dp2_logs_what_one_process_logs(launched):
+    """Qwen3.5-MoE as policy and reference, the router's loss in KTO's loss (TRL's `aux_loss`, balanced
+    over the global batch as one process does: QWEN35_ACCEL_MOE_BALANCE=global), the KL term from
+    mismatched completions, under the plugin's FSDP2 units at dp 2."""
+    launch, single = launched("kto/moe-dp2"), launched("kto/moe-single").out
+    assert any("Qwen3_5MoeForCausalLM prepared by qwen35_accel" in line for line in launch.stderr.splitlines()), launch.stderr[-3000:]
+    _trained(single / "kto", "rewards/chosen")
+    assert any(e.get("aux_loss", 0) > 0 for e in log_history(single / "kto"))
+    # `eval_kl` apart: TRL's collator pairs mismatched completions within each rank's batch (2 rows
+    # here, 4 in one process), so under dp the KL estimate is over other pairs by construction.
+    assert_same_log_history(launch.out / "kto", single / "kto", rtol=1e-5, atol=1e-6, skip=("kl", "eval_kl"))
+    got, want = ([e["kl"] for e in log_history(d / "kto") if "kl" in e] for d in (launch.out, single))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def _cli_inputs(root: Path) -> tuple[Path, Path]:

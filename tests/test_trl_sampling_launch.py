@@ -34,6 +34,7 @@ TP_VARIANTS = "dapo_eval,grpo"
 SPLIT = {"QWEN35_ACCEL_RL_GENERATION": "split"}  # per-row sampling, the group's rows split over its cp ranks
 SPLIT_VARIANTS = "dapo_eval,grpo,rloo"
 SPLIT_DP_VARIANTS = "dapo_eval"
+MOE_VARIANTS = "dapo_eval,rloo"
 register(**{
     "grpo/single": Run(None, SCRIPT, ("{out}", PER_DEVICE, "--variants", CP_VARIANTS)),
     "grpo/cp2": Run("cpu_fsdp2_cp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", CP_VARIANTS)),
@@ -45,6 +46,10 @@ register(**{
     "grpo/dp2-split": Run("cpu_fsdp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", SPLIT_DP_VARIANTS), env=SPLIT),
     "grpo/dp2xcp2-split": Run("cpu_fsdp2_dp2_cp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", SPLIT_DP_VARIANTS),
                               env=SPLIT),
+    # Qwen3.5-MoE (TRL adds the router's loss) under dp 2, its experts gathered by FSDP2 or split by ep 2.
+    "grpo/moe-dp2": Run("cpu_fsdp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", MOE_VARIANTS, "--moe")),
+    "grpo/moe-ep2": Run("cpu_fsdp2.yaml", SCRIPT, ("{out}", PER_DEVICE, "--variants", MOE_VARIANTS, "--moe"),
+                        env={"QWEN35_ACCEL_EP": "2"}),
 })
 
 
@@ -82,6 +87,17 @@ def test_grpo_and_rloo_under_cp2_equal_one_process_completion_for_completion(lau
 ])
 def test_grpo_under_dp2_times_cp2_or_tp2_equals_dp2(launched, case, variants):
     _assert_same_completions_and_log(launched(f"grpo/{case}").out, launched("grpo/dp2").out, variants, replicas=2, ranks=4)
+
+
+@pytest.mark.launches("grpo/moe-dp2", "grpo/moe-ep2")
+def test_grpo_and_rloo_on_moe_under_ep2_equal_dp2_completion_for_completion(launched):
+    """Under ep 2 each rank holds half the experts and generates with them (the all-to-alls in every
+    decoding step: Transformers keeps the ranks' forwards in step under FSDP2); it trains on the
+    completions dp 2 (every expert gathered) draws and logs its values, the router's loss included."""
+    ep, dp = launched("grpo/moe-ep2"), launched("grpo/moe-dp2")
+    assert "ep=2 (experts: 3 of 6" in ep.stderr and "ep=2 (experts" not in dp.stderr, ep.stderr[-2000:]
+    _assert_same_completions_and_log(ep.out, dp.out, MOE_VARIANTS, replicas=2, ranks=2)
+    assert any(e.get("aux_loss", 0) > 0 for e in log_history(dp.out / "dapo_eval")), "TRL added no router loss"
 
 
 @pytest.mark.launches("grpo/single", "grpo/single-split", "grpo/cp2-split")

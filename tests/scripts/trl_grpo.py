@@ -4,7 +4,7 @@ TRL pads them on the left), a length reward, 2 SGD steps; losses, rewards, KL, c
 grad norms in `trainer_state.json`, and every completion each rank trained on in
 `completions-rank{R}.json` (prompt, completion token ids, in the order the reward saw them).
 
-    [accelerate launch --config_file …] tests/scripts/trl_grpo.py OUTPUT_DIR PER_DEVICE [--variants V,V…] [--eval] [--eval-per-device N]
+    [accelerate launch --config_file …] tests/scripts/trl_grpo.py OUTPUT_DIR PER_DEVICE [--variants V,V…] [--eval] [--eval-per-device N] [--moe]
 
 Without `--variants`: the `dapo` variant in OUTPUT_DIR. Each variant trains in OUTPUT_DIR/VARIANT,
 one after the other in this process: `dapo` (TRL's default loss, `beta` 0.1: a reference model),
@@ -13,7 +13,8 @@ one after the other in this process: `dapo` (TRL's default loss, `beta` 0.1: a r
 `dapo_eval`, or `--eval` for every variant: an evaluation on 4 held-out prompts (4 generations each)
 after each step (`--eval-per-device`: its per-device batch, PER_DEVICE otherwise).
 The model's generation config stops at any of 40 tokens, so some completions end at EOS and
-others are clipped at `max_completion_length`.
+others are clipped at `max_completion_length`. `--moe`: the tiny Qwen3.5-MoE instead (at the recipes'
+byte-level vocabulary; TRL adds its router's load-balancing loss).
 """
 
 import json
@@ -44,7 +45,7 @@ VARIANTS = {  # trainer, then the config's settings
 }
 
 
-def save_initial_model(out: str) -> Path:
+def save_initial_model(out: str, moe: bool = False) -> Path:
     """The same initial weights on every rank, each saved to its own folder (no rank waits for
     another's) before any trainer starts the process group; with the group already up (an earlier
     run in this process: tests/scripts/several_runs.py) `save_pretrained` writes on rank 0 alone,
@@ -53,8 +54,13 @@ def save_initial_model(out: str) -> Path:
     grouped = torch.distributed.is_initialized()
     model_dir = Path(out) / f"initial-rank{0 if grouped else os.environ.get('RANK', '0')}"
     set_seed(0)
-    config = AutoConfig.from_pretrained(RECIPES / "configs" / "tiny_qwen35.json")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if moe:
+        from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+
+        model = build_tiny_moe_causal_lm(seed=0, vocab_size=264, eos_token_id=256, pad_token_id=256)
+    else:
+        config = AutoConfig.from_pretrained(RECIPES / "configs" / "tiny_qwen35.json")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(60, 99)]  # ~15 % per token
     model.save_pretrained(model_dir)
     if grouped:
@@ -99,7 +105,7 @@ def main(out: str, model_dir: Path, per_device: int, variant: str, evaluate: boo
 
 if __name__ == "__main__":
     out, per_device, rest = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    model_dir = save_initial_model(out)
+    model_dir = save_initial_model(out, moe="--moe" in rest)
     eval_per_device = int(rest[rest.index("--eval-per-device") + 1]) if "--eval-per-device" in rest else None
     if "--variants" in rest:
         for name in rest[rest.index("--variants") + 1].split(","):

@@ -5,11 +5,12 @@ completion, odd ones undesirable with the next record's), the KL term estimated 
 completions in each batch, rows of their own lengths (no `pad_to_multiple_of`), 4 SGD steps and
 an evaluation on 8 held-out examples every 2 steps; every logged metric in `trainer_state.json`.
 
-    [accelerate launch --config_file …] tests/scripts/trl_kto.py OUTPUT_DIR PER_DEVICE VARIANT[,VARIANT…]
+    [accelerate launch --config_file …] tests/scripts/trl_kto.py OUTPUT_DIR PER_DEVICE VARIANT[,VARIANT…] [--moe]
 
 One training per variant, one after the other in this process, each in OUTPUT_DIR/VARIANT: `kto`,
 `kto-precompute` (the reference log-probs precomputed over the dataset before training, into a
-datasets cache of its own).
+datasets cache of its own). `--moe`: the tiny Qwen3.5-MoE (`build_tiny_moe_causal_lm` at the recipes'
+byte-level vocabulary) as policy and reference.
 """
 
 import sys
@@ -23,8 +24,12 @@ from trl import KTOConfig, KTOTrainer
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
-def tiny_model() -> torch.nn.Module:
+def tiny_model(moe: bool = False) -> torch.nn.Module:
     set_seed(0)  # policy and reference start from the same weights
+    if moe:
+        from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+
+        return build_tiny_moe_causal_lm(seed=0, vocab_size=264, eos_token_id=256, pad_token_id=256)
     config = AutoConfig.from_pretrained(RECIPES / "configs" / "tiny_qwen35.json")
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
@@ -39,7 +44,7 @@ def unpaired_examples(cache_dir: str):
     )
 
 
-def main(out: str, per_device: int, precompute: bool) -> None:
+def main(out: str, per_device: int, precompute: bool, moe: bool = False) -> None:
     tokenizer = AutoTokenizer.from_pretrained(RECIPES / "configs" / "tokenizer")
     # A datasets cache per run: precomputed reference log-probs are cached by fingerprints two runs share.
     examples = unpaired_examples(str(Path(out) / "datasets_cache"))
@@ -63,7 +68,7 @@ def main(out: str, per_device: int, precompute: bool) -> None:
         pad_to_multiple_of=None,
         precompute_ref_log_probs=precompute,
     )
-    trainer = KTOTrainer(model=tiny_model(), ref_model=tiny_model(), args=args,
+    trainer = KTOTrainer(model=tiny_model(moe), ref_model=tiny_model(moe), args=args,
                          train_dataset=examples.select(range(8, len(examples))), eval_dataset=examples.select(range(8)),
                          processing_class=tokenizer)
     trainer.train()
@@ -72,4 +77,5 @@ def main(out: str, per_device: int, precompute: bool) -> None:
 
 if __name__ == "__main__":
     for variant in sys.argv[3].split(","):
-        main(str(Path(sys.argv[1]) / variant), int(sys.argv[2]), precompute={"kto": False, "kto-precompute": True}[variant])
+        main(str(Path(sys.argv[1]) / variant), int(sys.argv[2]), precompute={"kto": False, "kto-precompute": True}[variant],
+             moe="--moe" in sys.argv[4:])

@@ -8,6 +8,8 @@ Adapters are initialised randomly (`init_lora_weights=False`): with PEFT's defau
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,6 +32,18 @@ def lora_model(dtype: torch.dtype = torch.float32):
     from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
     base = build_tiny_causal_lm(seed=0, dtype=dtype)
+    torch.manual_seed(1)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, lora_dropout=0.0)
+    return get_peft_model(base, config, autocast_adapter_dtype=True)
+
+
+def lora_moe(num_experts: int = 6):
+    """All-linear LoRA (the mixers, the shared expert and its gate) on the tiny MoE."""
+    from peft import LoraConfig, get_peft_model
+
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+
+    base = build_tiny_moe_causal_lm(seed=0, num_experts=num_experts)
     torch.manual_seed(1)
     config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, lora_dropout=0.0)
     return get_peft_model(base, config, autocast_adapter_dtype=True)
@@ -162,16 +176,20 @@ def test_detection_looks_through_peft_wrappers_only_around_dense_qwen35() -> Non
     assert not is_dense_qwen35(prompt)
 
 
-def _lora_tp_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None:
+def _lora_tp_worker(rank: int, world: int, dp: int, cp: int, tp: int, ep: int = 1) -> None:
     """Adapters split with their base layer: loss, every adapter gradient (gathered into the
-    Transformers/PEFT layout) and the gathered state dict equal the single-process PEFT model."""
+    Transformers/PEFT layout) and the gathered state dict equal the single-process PEFT model.
+    `ep` > 1: on the tiny MoE (8 experts, all-linear adapters), ep × tp holding its frozen experts."""
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
 
-    reference, model = lora_model(), lora_model()
+    build = partial(lora_moe, num_experts=8) if ep > 1 else lora_model
+    reference, model = build(), build()
     mesh = init_device_mesh("cpu", (1, dp, cp, tp), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    PARALLELIZER.apply(model, mesh)
+    PARALLELIZER.apply(model, mesh, ep=ep)
+    if ep > 1:
+        assert model.get_base_model().model.layers[0].mlp.experts.num_experts == 8 // (ep * tp)
     qkv = model.get_base_model().model.layers[0].linear_attn.in_proj_qkv
     ref_qkv = reference.get_base_model().model.layers[0].linear_attn.in_proj_qkv
     # Row-split base: lora_B split like it, lora_A whole.
@@ -195,6 +213,8 @@ def _lora_tp_worker(rank: int, world: int, dp: int, cp: int, tp: int) -> None:
         assert_close(state[key], value, f"state_dict[{key}]")
 
 
-@pytest.mark.parametrize("world,dp,cp,tp", [(2, 1, 1, 2), pytest.param(4, 1, 2, 2, marks=pytest.mark.slow)], ids=["tp2", "cp2xtp2"])
-def test_lora_under_tensor_parallelism_matches_single_process(world: int, dp: int, cp: int, tp: int) -> None:
-    run_world(_lora_tp_worker, world, dp, cp, tp)
+@pytest.mark.parametrize("world,dp,cp,tp,ep", [(2, 1, 1, 2, 1), pytest.param(4, 1, 2, 2, 1, marks=pytest.mark.slow),
+                                               pytest.param(4, 2, 1, 2, 2, marks=pytest.mark.slow)],
+                         ids=["tp2", "cp2xtp2", "moe-ep2xtp2"])
+def test_lora_under_tensor_parallelism_matches_single_process(world: int, dp: int, cp: int, tp: int, ep: int) -> None:
+    run_world(_lora_tp_worker, world, dp, cp, tp, ep)

@@ -264,13 +264,7 @@ def _lora_worker(rank: int, world: int) -> None:
 
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
-    from test_lora import backward_and_check_loss, mesh_of
-
-    def lora_moe():
-        base = build_tiny_moe_causal_lm(seed=0)
-        torch.manual_seed(1)
-        config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, lora_dropout=0.0)
-        return get_peft_model(base, config, autocast_adapter_dtype=True)
+    from test_lora import backward_and_check_loss, lora_moe, mesh_of
 
     for ep, cp in ((2, 1), (1, 2)):
         reference, model = lora_moe(), lora_moe()

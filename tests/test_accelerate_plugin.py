@@ -296,23 +296,30 @@ def test_cpu_ram_efficient_loading_under_tensor_parallelism(moe_ep):
     run_world(_ram_efficient_tp_worker, 4, moe_ep)
 
 
-def _save_load_state_tp_worker(rank: int, world: int, state_dict_type: str, tmp: str) -> None:
+def _save_load_state_tp_worker(rank: int, world: int, state_dict_type: str, tmp: str, moe_ep: bool = False) -> None:
+    """`moe_ep`: a MoE of 8 experts under QWEN35_ACCEL_EP=2 (ep x tp: the held experts' weights and
+    AdamW state in the checkpoint) instead of the dense model."""
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_moe_causal_lm, random_batch
 
-    vocab_parallel = state_dict_type == "SHARDED_STATE_DICT"  # and the lm_head's slices in the checkpoint
-    if vocab_parallel:
-        os.environ["QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD"] = "1"
+    vocab_parallel = state_dict_type == "SHARDED_STATE_DICT" and not moe_ep  # and the lm_head's slices in the checkpoint
+    knob = ("QWEN35_ACCEL_EP", "2") if moe_ep else ("QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD", "1") if vocab_parallel else None
+    if knob:
+        os.environ[knob[0]] = knob[1]
     accelerator = Accelerator(
         fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type),
         parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2),
     )
-    model = build_tiny_causal_lm(seed=0)
+    model = build_tiny_moe_causal_lm(seed=0, num_experts=8) if moe_ep else build_tiny_causal_lm(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if knob:
+        del os.environ[knob[0]]
+    if moe_ep:
+        assert model.model.layers[0].mlp.experts.num_experts == 2
     replica = accelerator.torch_device_mesh["dp_shard"].get_local_rank()
     local_vocab = model.lm_head.weight.shape[0]
     assert local_vocab == (model.config.vocab_size // 2 if vocab_parallel else model.config.vocab_size)
@@ -342,9 +349,10 @@ def _save_load_state_tp_worker(rank: int, world: int, state_dict_type: str, tmp:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # world 4
-@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
-def test_save_and_load_state_under_tensor_parallelism(tmp_path, state_dict_type):
-    run_world(_save_load_state_tp_worker, 4, state_dict_type, str(tmp_path))
+@pytest.mark.parametrize("state_dict_type,moe_ep", [("FULL_STATE_DICT", False), ("SHARDED_STATE_DICT", False),
+                                                    ("SHARDED_STATE_DICT", True)], ids=["full", "sharded", "sharded-moe-ep2xtp2"])
+def test_save_and_load_state_under_tensor_parallelism(tmp_path, state_dict_type, moe_ep):
+    run_world(_save_load_state_tp_worker, 4, state_dict_type, str(tmp_path), moe_ep)
 
 
 def _bf16_accelerate_worker(rank: int, world: int) -> None:

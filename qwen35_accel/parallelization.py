@@ -26,7 +26,6 @@ from .parallel.activation_checkpointing import (
     vision_tower_trains,
 )
 from .parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR, ActivationOffload
-from .parallel.expert_tensor_parallel import HELD_ATTR
 from .parallel.expert_parallel import (
     ExpertMesh,
     build_expert_mesh,
@@ -34,6 +33,7 @@ from .parallel.expert_parallel import (
     install_expert_parallel,
     shard_experts,
 )
+from .parallel.expert_tensor_parallel import HELD_ATTR
 from .parallel.context_parallel.model import (
     check_context_parallel_supported,
     install_context_parallel,

@@ -36,13 +36,13 @@ from ..model.detect import Qwen35Parts
 from .expert_tensor_parallel import _check_over_tensor_parallel, describe_held
 from .fsdp import shard_unit
 from .mesh import ParallelDims
+from .moe import EXPERT_WEIGHTS
 
 # The expert view of the data-parallel ranks: replicas, the FSDP2 shard dim of the experts, the
 # expert-parallel dim, and the ranks sharing one batch (1 without TP: AllToAllEP's `tp_mesh`).
 EXPERT_DIMS: tuple[str, str, str, str] = ("dp_replicate", "efsdp", "ep", "ep_batch")
 # AllToAllEP: training needs the token exchange (AllReduceEP serves ranks sharing one batch only).
 EP_IMPLEMENTATION = "all_to_all"
-EXPERT_WEIGHTS: tuple[str, ...] = ("gate_up_proj", "down_proj")
 EXPERT_MESH_ATTR = "_qwen35_expert_mesh"  # on each experts module split here: its ExpertMesh
 
 

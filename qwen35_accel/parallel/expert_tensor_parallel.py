@@ -41,8 +41,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .collectives import copy_to_group, reduce_from_group
+from .moe import EXPERT_WEIGHTS
 
-EXPERT_WEIGHTS: tuple[str, ...] = ("gate_up_proj", "down_proj")
 HELD_ATTR = "_qwen35_experts_held"  # on experts split here: (ep, tp); FSDP2 leaves their weights alone
 
 

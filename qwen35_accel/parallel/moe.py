@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 
+EXPERT_WEIGHTS: tuple[str, ...] = ("gate_up_proj", "down_proj")  # the routed experts' 3-D weights
+
 # How the router's load-balancing loss counts tokens: "rank" — each data-parallel rank's own
 # (Transformers' meaning; whole rows under cp), "global" — every data-parallel rank's (the
 # global batch, Qwen's recipe): its sums all-reduced over dp_shard × cp.

@@ -97,10 +97,11 @@ def flops_per_token(config, seq: int) -> float:
     return 6 * matmul + attention + state
 
 
-def predicted_bytes(config, seq: int, world: int, device_type: str) -> int:
+def predicted_bytes(config, seq: int, world: int, device_type: str, parallel=None) -> int:
     """What `qwen35-accel plan`'s memory model predicts per rank for an "ours" configuration
-    of this script: FSDP2 over a cp group of `world`, bf16 compute on fp32 masters (fp32 on the
-    CPU smoke), SGD without momentum (no state), checkpointing, the default tiled loss."""
+    of this script: FSDP2 over a cp group of `world` (or `parallel`, a `memory.Parallel`), bf16
+    compute on fp32 masters (fp32 on the CPU smoke), SGD without momentum (no state),
+    checkpointing, the default tiled loss."""
     import importlib.util
 
     from qwen35_accel.memory import ModelShape, Parallel, StepOptions, estimate
@@ -109,7 +110,7 @@ def predicted_bytes(config, seq: int, world: int, device_type: str) -> int:
     options = StepOptions(seq_len=seq, compute_bytes=4 if smoke else 2, param_bytes=4, optimizer="none",
                           activation_checkpointing=True, device=device_type,
                           fla=importlib.util.find_spec("fla") is not None)
-    return estimate(ModelShape.from_config(config), Parallel(cp=world), options).total
+    return estimate(ModelShape.from_config(config), parallel or Parallel(cp=world), options).total
 
 
 def _worker(rank: int, world: int, name: str, config_dict: dict, seq: int, steps: int, warmup: int, compiled: bool,

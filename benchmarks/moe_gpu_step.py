@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import _report
+from gpu_step import predicted_bytes
 
 SMOKE_SHAPE = dict(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
                    num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
@@ -48,20 +49,8 @@ def moe_config(layers: int, smoke: bool):
     return config
 
 
-def predicted_bytes(config, seq: int, world: int, ep: int, device_type: str) -> int:
-    """`plan`'s memory model for one configuration of this script (FSDP2 over `world`, SGD
-    without state, checkpointing, the default tiled loss; bf16 compute on fp32 masters on CUDA)."""
-    import importlib.util
-
-    from qwen35_accel.memory import ModelShape, Parallel, StepOptions, estimate
-
-    options = StepOptions(seq_len=seq, compute_bytes=4 if device_type == "cpu" else 2, param_bytes=4, optimizer="none",
-                          activation_checkpointing=True, device=device_type, fla=importlib.util.find_spec("fla") is not None)
-    return estimate(ModelShape.from_config(config), Parallel(dp_shard=world, ep=ep), options).total
-
-
 def _measure(rank: int, world: int, args: argparse.Namespace, device_type: str) -> list[dict]:
-    """Every configuration on this rank: [{ep, times, peak, first_loss}] (or {ep, error})."""
+    """Every configuration on this rank: [{ep, times, peak, first_loss}] (peak None on CPU)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -150,6 +139,8 @@ def main() -> None:
         return
     import torch
 
+    from qwen35_accel.memory import Parallel
+
     run = _report.Run()
     if args.smoke:
         args.layers, args.seq, args.steps, args.warmup = 4, 64, 2, 1
@@ -180,7 +171,7 @@ def main() -> None:
         tokens = world * args.seq / step
         baseline = baseline or tokens
         peak = max((r[i]["peak"] or 0) for r in ranks)
-        predicted = predicted_bytes(config, args.seq, world, ep, device_type)
+        predicted = predicted_bytes(config, args.seq, world, device_type, Parallel(dp_shard=world, ep=ep))
         lines.append(f"| ep {ep} | {tokens:,.0f} | {tokens / baseline:.2f} | {peak / gib:.2f} | {predicted / gib:.2f} | "
                      f"{result['first_loss']:.6f} |" if peak else
                      f"| ep {ep} | {tokens:,.0f} | {tokens / baseline:.2f} | n/a (CPU) | {predicted / gib:.4f} | "

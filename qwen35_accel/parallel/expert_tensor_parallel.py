@@ -88,7 +88,6 @@ def hold_experts_over_tensor_parallel(
         )
     block = experts.num_experts  # this tp rank's experts
     experts.num_experts = block // ep
-    experts._is_expert_parallel = True  # Transformers' flag: the experts forward skips the sentinel id
     dispatch = _TensorParallelAllToAll(experts, ep_mesh.get_group(), tp_mesh.get_group(),
                                        first=tp_mesh.get_local_rank() * block, block=block, compute_dtype=compute_dtype)
     experts.forward = dispatch

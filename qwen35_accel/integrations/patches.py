@@ -15,6 +15,7 @@ from . import (
     cpu_backend,
     evaluation,
     preparation,
+    router_loss,
     several_models,
     step_hooks,
     trl_fused_head,
@@ -95,6 +96,14 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "parallelism alone sharded by the plugin's parallelizer at load (fp32 gate holders, loaded bitwise); with tp/pp a bf16 "
         "load or fsdp_mixed_precision under FSDP refused on every rank with the ways that keep the gates fp32 (stock: "
         "the gates train bf16-rounded, silently); Transformers' gathering TP plan said once",
+    ),
+    PatchPoint(
+        "transformers.trainer", "Trainer.compute_loss", router_loss.trainer_compute_loss, TRANSFORMERS,
+        "Qwen3.5-MoE whose forward adds the router's load-balancing loss, any layout (one process and DDP too): the "
+        "router term counted once per step, coef x aux / gradient_accumulation_steps, the cross entropy scaled as "
+        "stock (stock multiplies the whole loss by num_processes // tp: the router term num_processes times too "
+        "strong, and once more per accumulated micro-batch; Transformers issue 48690); the stock scaling checked at "
+        "every call",
     ),
     PatchPoint(
         "transformers.trainer", "Trainer._prepare_context_parallel_inputs", step_hooks.prepare_context_parallel_inputs,

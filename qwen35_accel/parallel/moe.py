@@ -26,6 +26,14 @@ BALANCE_CHOICES: tuple[str, ...] = ("rank", "global")
 BALANCE_GROUP_ATTR = "_qwen35_moe_balance_group"  # on the model: the group "global" reduces over
 
 
+def router_loss_coefficient(model: torch.nn.Module) -> float:
+    """The coefficient a Qwen3.5-MoE model's forward multiplies its router's load-balancing loss by,
+    read where Transformers' forward reads it: the causal LM's `router_aux_loss_coef` attribute (set
+    from the config at init), the VLM's text config (read at every call)."""
+    coefficient = getattr(model, "router_aux_loss_coef", None)
+    return float(model.config.get_text_config().router_aux_loss_coef if coefficient is None else coefficient)
+
+
 def check_no_expert_adapters(moe_blocks: tuple[torch.nn.Module, ...]) -> None:
     """NotImplementedError (the same on every rank) for PEFT adapters on the routed experts'
     3-D weights (`LoraConfig(target_parameters=[...experts...])`: PEFT wraps the experts module):

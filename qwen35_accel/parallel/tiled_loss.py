@@ -35,6 +35,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
 from .losses import CP_NEEDS_SHIFT_LABELS, IGNORE_INDEX, VOCAB_GROUP_ATTR, CausalLMLoss, reduce_token_loss
+from .moe import router_loss_coefficient
 from .tiled_head import DEFAULT_LOSS_MODE, LOSS_MODES, linear_cross_entropy_sum, lm_head_weights
 
 TILED_LOSS_CHOICES: tuple[str, ...] = ("off", *LOSS_MODES)
@@ -161,7 +162,7 @@ def _tiled_class(cls: type) -> type:
             aux_loss = None
             if router_logits:
                 aux_loss = _router_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
-                loss = loss + self.config.get_text_config().router_aux_loss_coef * aux_loss.to(loss.device)
+                loss = loss + router_loss_coefficient(self) * aux_loss.to(loss.device)
             fields.update(aux_loss=aux_loss, router_logits=outputs.router_logits)
         output_class = next(out for model_class, out in _OUTPUT_CLASSES.items() if isinstance(self, model_class))
         result = output_class(loss=loss, logits=None, **fields)

@@ -44,17 +44,19 @@ def four_sgd_steps(model: Path, data: Path) -> list[str]:
     ]
 
 
-def single_and_cp2(root: Path, command: str, args: Sequence[str], step: int,
-                   cp2_env: dict[str, str] | None = None) -> tuple[Path, Path, str]:
-    """`trl COMMAND ARGS` in one process (output in root/single), then with the cp 2 YAML (root/cp2;
-    `cp2_env` added to its environment). HF_HOME lies in `root`, so no user default Accelerate config
-    applies to the first; `root` is on PYTHONPATH (a reward function by dotted path). Returns both
-    `checkpoint-STEP` folders and the cp 2 run's output."""
+def single_and_cp2(root: Path, command: str, args: Sequence[str], step: int, cp2_env: dict[str, str] | None = None,
+                   config: str = "cpu_fsdp2_cp2.yaml", single_args: Sequence[str] = (),
+                   launched_args: Sequence[str] = ()) -> tuple[Path, Path, str]:
+    """`trl COMMAND ARGS SINGLE_ARGS` in one process (output in root/single), then `trl COMMAND ARGS
+    LAUNCHED_ARGS` with the Accelerate `config` (the cp 2 YAML by default; root/cp2; `cp2_env` added to
+    its environment). HF_HOME lies in `root`, so no user default Accelerate config applies to the first;
+    `root` is on PYTHONPATH (a reward function by dotted path). Returns both `checkpoint-STEP` folders
+    and the launched run's output."""
     trl = [sys.executable, "-m", "trl.cli.main", command]  # the `trl` console script's entry point
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     env = {"HF_HOME": str(root / "hf"), "PYTHONPATH": path}
-    run_to_completion([*trl, *args, "--output_dir", str(root / "single")], env)
-    output = run_to_completion([*trl, *args, "--output_dir", str(root / "cp2"), "--accelerate_config",
-                               str(CONFIGS / "cpu_fsdp2_cp2.yaml"), "--main_process_port", str(free_port())],
+    run_to_completion([*trl, *args, *single_args, "--output_dir", str(root / "single")], env)
+    output = run_to_completion([*trl, *args, *launched_args, "--output_dir", str(root / "cp2"), "--accelerate_config",
+                               str(CONFIGS / config), "--main_process_port", str(free_port())],
                                {**env, **(cp2_env or {})})
     return root / "single" / f"checkpoint-{step}", root / "cp2" / f"checkpoint-{step}", output

@@ -206,6 +206,34 @@ def test_trl_sft_cli_on_moe_under_cp2_and_ep2_logs_what_one_process_logs(tmp_pat
     assert_same_log_history(cp2, single, rtol=1e-5, atol=1e-6)
 
 
+def test_trl_sft_cli_on_moe_under_dp2_with_accumulation_logs_what_one_process_logs(tmp_path):
+    """`trl sft` (the router's loss on, TRL's default coefficient: the model's 0.05) under cpu_fsdp2.yaml,
+    2 micro-batches of 2 rows per rank, against one process with the same 4 micro-batches: TRL adds
+    `coef x aux / accumulation` itself, each rank's router loss, so the step's router term is the mean of
+    the four (docs/moe.md) in both. Loss, grad norm, aux_loss, num_tokens per step; entropy and
+    accuracy are left out (one process logs the mean of its micro-batches' ratios, dp 2 one ratio of the
+    ranks' summed counts per micro-step)."""
+    import shutil
+
+    from _parity import assert_same_log_history, log_history
+    from _trl_cli import RECIPES, four_sgd_steps, single_and_cp2
+    from transformers import AutoTokenizer
+
+    model, data = tmp_path / "model", tmp_path / "data"
+    save_tiny_moe(model)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(model)
+    data.mkdir()
+    shutil.copy(RECIPES / "data" / "sft_tiny.jsonl", data / "train.jsonl")
+    per_device = ("--per_device_train_batch_size", "2")
+    single, dp2, output = single_and_cp2(
+        tmp_path, "sft", four_sgd_steps(model, data), step=4, config="cpu_fsdp2.yaml",
+        single_args=(*per_device, "--gradient_accumulation_steps", "4"), launched_args=(*per_device, *GA2),
+    )
+    assert output.count("prepared by qwen35_accel") == 1, output[-3000:]
+    assert all("aux_loss" in e for e in log_history(single) if "loss" in e), log_history(single)
+    assert_same_log_history(dp2, single, rtol=1e-5, atol=1e-6, skip=("entropy", "mean_token_accuracy"))
+
+
 @runs("moe/reference-ga2", "moe/dp2xtp2")
 def test_a_qwen35_moe_model_under_dp2_x_tp2_trains_as_one_process(launched):
     """cpu_fsdp2_tp2.yaml (before: Accelerate's own path, Transformers' TP plan, gates as loaded):

@@ -17,23 +17,26 @@ import torch
 STEPS, ROWS, LENGTH, COEF = 2, 4, 24, 0.05
 
 
-def _train(tmp_path, coefficient: float, accumulation: int, stock: bool, monkeypatch) -> tuple[list[dict], dict]:
-    """`STEPS` SGD steps of the tiny MoE (router's loss on at `coefficient`) through an unchanged
-    `Trainer`, `ROWS` rows a step in `accumulation` micro-batches; with `stock`, Transformers' own
-    `compute_loss`. Returns the log history and the weights."""
+def _train(tmp_path, coefficient: float, accumulation: int, stock: bool, monkeypatch, vlm: bool = False
+           ) -> tuple[list[dict], dict]:
+    """`STEPS` SGD steps of the tiny MoE (the VLM class with `vlm`; router's loss on at `coefficient`)
+    through an unchanged `Trainer`, `ROWS` text rows a step in `accumulation` micro-batches; with
+    `stock`, Transformers' own `compute_loss`. Returns the log history and the weights."""
     from transformers import Trainer, TrainingArguments
 
     from qwen35_accel.integrations import accelerate as plugin
-    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, build_tiny_moe_vlm
 
     plugin.install()
     patched = Trainer.compute_loss
     assert getattr(patched, "__qwen35_accel_original__", None) is not None, "the plugin's compute_loss point is not installed"
     if stock:
         monkeypatch.setattr(Trainer, "compute_loss", patched.__qwen35_accel_original__)
-    model = build_tiny_moe_causal_lm(seed=0, output_router_logits=True, router_aux_loss_coef=coefficient)
+    build = build_tiny_moe_vlm if vlm else build_tiny_moe_causal_lm
+    model = build(seed=0, output_router_logits=True, router_aux_loss_coef=coefficient)
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (STEPS * ROWS, LENGTH), generator=generator)
+    vocab = model.config.get_text_config().vocab_size - 8  # below the VLM's image and video tokens
+    ids = torch.randint(0, vocab, (STEPS * ROWS, LENGTH), generator=generator)
     labels = ids.clone()
     labels[:, : LENGTH // 3] = -100  # a prompt: rows differ in nothing else, the count is global
     rows = [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]
@@ -75,5 +78,16 @@ def test_without_accumulation_one_process_is_stock(tmp_path, monkeypatch):
     """One process, one micro-batch a step: nothing to correct, the plugin's step is stock's bitwise."""
     plugin = _train(tmp_path / "a", COEF, 1, stock=False, monkeypatch=monkeypatch)
     stock = _train(tmp_path / "b", COEF, 1, stock=True, monkeypatch=monkeypatch)
+    assert [(e["loss"], e["grad_norm"]) for e in plugin[0]] == [(e["loss"], e["grad_norm"]) for e in stock[0]]
+    assert all(torch.equal(plugin[1][k], v) for k, v in stock[1].items())
+
+
+def test_the_vlm_class_takes_no_loss_kwargs_and_stays_stock(tmp_path, monkeypatch):
+    """`Qwen3_5MoeForConditionalGeneration` declares `accepts_loss_kwargs = False`: the Trainer neither
+    multiplies its loss nor leaves accumulation to it (it divides the whole loss by the micro-batches),
+    so stock already counts its router term once per step; the point changes nothing there (2
+    micro-batches, stock at the same coefficient, bitwise)."""
+    plugin = _train(tmp_path / "a", COEF, 2, stock=False, monkeypatch=monkeypatch, vlm=True)
+    stock = _train(tmp_path / "b", COEF, 2, stock=True, monkeypatch=monkeypatch, vlm=True)
     assert [(e["loss"], e["grad_norm"]) for e in plugin[0]] == [(e["loss"], e["grad_norm"]) for e in stock[0]]
     assert all(torch.equal(plugin[1][k], v) for k, v in stock[1].items())

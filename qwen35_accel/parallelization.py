@@ -319,7 +319,8 @@ class Qwen3_5ModelParallelizer:
             fully_shard_by_dtype(parts.embed_tokens, reshard_after_forward=reshard_after_forward, **common)
         # The tail runs last in forward and first in backward: resharding it after
         # forward would only add an all-gather that nothing can hide.
-        tail = [m for m in ((parts.embed_tokens,) if tied else ()) + (parts.final_norm, parts.lm_head) if m is not None]
+        head = parts.lm_head if parts.lm_head is not None else parts.head  # a classifier's score: the tail too
+        tail = [m for m in ((parts.embed_tokens,) if tied else ()) + (parts.final_norm, head) if m is not None]
         tail_dtypes = {p.dtype for m in tail for p in m.parameters() if p.requires_grad}
         if len(tail_dtypes) <= 1:
             shard_unit(tail, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload_policy or OffloadPolicy())
@@ -343,7 +344,7 @@ class Qwen3_5ModelParallelizer:
                 forward_depth=fsdp2_forward_prefetch_depth,
                 backward_depth=fsdp2_backward_prefetch_depth,
                 before=_unit_of(parts.embed_tokens),
-                after=_unit_of(parts.lm_head) or _unit_of(parts.final_norm),
+                after=_unit_of(head) or _unit_of(parts.final_norm),
             )
         if set_async_unshard_on_cpu(module, mesh.device_type):
             logger.debug("CPU mesh: FSDP2 all-gathers are asynchronous (prefetches overlap compute)")

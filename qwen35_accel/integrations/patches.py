@@ -15,9 +15,9 @@ from . import (
     cpu_backend,
     evaluation,
     preparation,
-    router_loss,
     several_models,
     step_hooks,
+    trainer_loss,
     trl_fused_head,
     trl_sampling,
     transformers_sharding,
@@ -98,12 +98,13 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "the gates train bf16-rounded, silently); Transformers' gathering TP plan said once",
     ),
     PatchPoint(
-        "transformers.trainer", "Trainer.compute_loss", router_loss.trainer_compute_loss, TRANSFORMERS,
+        "transformers.trainer", "Trainer.compute_loss", trainer_loss.trainer_compute_loss, TRANSFORMERS,
         "Qwen3.5-MoE whose forward adds the router's load-balancing loss, any layout (one process and DDP too): the "
         "router term counted once per step, coef x aux / gradient_accumulation_steps, the cross entropy scaled as "
         "stock (stock multiplies the whole loss by num_processes // tp: the router term num_processes times too "
         "strong, and once more per accumulated micro-batch; Transformers issue 48690); the stock scaling checked at "
-        "every call",
+        "every call. A Qwen3.5 classification head (reward model): its per-rank mean loss never multiplied, divided "
+        "by the micro-batches (stock: num_processes x accumulation times one process's loss and gradient)",
     ),
     PatchPoint(
         "transformers.trainer", "Trainer._prepare_context_parallel_inputs", step_hooks.prepare_context_parallel_inputs,

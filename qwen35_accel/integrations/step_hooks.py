@@ -76,6 +76,7 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
         _refuse_logits_consumers_of_vocab_slices(self, accelerator)
         if whole_rows:
             return contextlib.nullcontext, inputs
+        row_labels = None
         if cp_mesh is not None and isinstance(inputs, Mapping) and (  # collators may return a BatchEncoding
             inputs.get("input_ids") is not None or inputs.get("inputs_embeds") is not None
         ):
@@ -84,10 +85,38 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
             # The CP context shards its buffers in place: hand it new tensor objects, so the
             # training loop's batch stays whole for what it counts after the step (tokens seen).
             inputs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            classifier = _sequence_classifier_pad_token(model)
+            if classifier is not None:  # per-row labels: whole on every rank, neither shifted nor sharded
+                row_labels = inputs.pop("labels", None)
+            length = (inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs["inputs_embeds"]).shape[1]
             inputs = pad_batch_for_context_parallel(inputs, cp_mesh.size())
-        return original(self, model, inputs)
+            if classifier is not None and inputs.get("input_ids") is not None:
+                inputs["input_ids"][:, length:] = classifier  # the head pools the last token that is not the pad token
+        context, inputs = original(self, model, inputs)
+        if row_labels is not None:
+            inputs["labels"] = row_labels
+        return context, inputs
 
     return wrapper
+
+
+def _sequence_classifier_pad_token(model: Any) -> int | None:
+    """The pad token of a Qwen3.5 sequence classifier (reward model) the Trainer trains, None for any
+    other model; ValueError for a classifier without one (the row's last position would be CP's
+    padding)."""
+    from ..model.detect import is_sequence_classifier, unwrap_qwen35
+
+    inner = getattr(model, "module", model)
+    if not isinstance(inner, torch.nn.Module) or not is_sequence_classifier(inner):
+        return None
+    pad_token_id = unwrap_qwen35(inner).config.get_text_config().pad_token_id
+    if pad_token_id is None:
+        raise ValueError(
+            f"{type(unwrap_qwen35(inner)).__name__} under context parallelism needs config.pad_token_id: it scores each "
+            "row from its last token that is not the pad token, and the rows are padded to a multiple of 2 x cp. Set "
+            "model.config.pad_token_id (the tokenizer's pad token)."
+        )
+    return int(pad_token_id)
 
 
 def _refuse_logits_consumers_of_vocab_slices(trainer: Any, accelerator: Any) -> None:

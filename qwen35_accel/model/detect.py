@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from torch import nn
+from transformers.modeling_layers import GenericForSequenceClassification, GenericForTokenClassification
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
@@ -32,6 +33,11 @@ MOE_CLASSES: tuple[type[nn.Module], ...] = (
     hf_moe.Qwen3_5MoeModel,
 )
 FAMILIES: tuple[str, ...] = ("dense", "moe")
+# Heads on a Qwen3.5 backbone (reward models, classifiers): Transformers' generic heads, whose
+# backbone (`model.model`) is a text or base class of either family. Transformers 5.25 builds
+# `Qwen3_5TextForSequenceClassification`, `Qwen3_5ForSequenceClassification` (the VLM's backbone)
+# and `Qwen3_5ForTokenClassification` from them; a head a user builds the same way counts too.
+HEAD_CLASSES: tuple[type, ...] = (GenericForSequenceClassification, GenericForTokenClassification)
 
 
 def peft_base_model(model: nn.Module) -> nn.Module | None:
@@ -48,6 +54,21 @@ def peft_base_model(model: nn.Module) -> nn.Module | None:
     return model.model if isinstance(model, BaseTuner) else None
 
 
+def head_backbone(model: nn.Module) -> nn.Module | None:
+    """The backbone of a generic classification head (`model.model`, its `base_model_prefix`), or
+    None when `model` is no such head."""
+    if not isinstance(model, HEAD_CLASSES):
+        return None
+    backbone = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    return backbone if isinstance(backbone, nn.Module) else None
+
+
+def is_sequence_classifier(model: nn.Module) -> bool:
+    """A Qwen3.5 model whose head scores a whole row from its last real token (reward models)."""
+    inner = unwrap_qwen35(model)
+    return isinstance(inner, GenericForSequenceClassification) and qwen35_family(inner) is not None
+
+
 def unwrap_qwen35(model: nn.Module) -> nn.Module:
     """`model` without the wrappers detection looks through: `torch.compile`'s `_orig_mod`
     and PEFT adapter wrappers (`peft_base_model`). Returns `model` itself when unwrapped."""
@@ -61,18 +82,21 @@ def unwrap_qwen35(model: nn.Module) -> nn.Module:
 
 
 def is_dense_qwen35(model: nn.Module) -> bool:
-    """True if `model` is one of the dense Qwen3.5 classes in `SUPPORTED_CLASSES`.
+    """True if `model` is one of the dense Qwen3.5 classes in `SUPPORTED_CLASSES`, or a
+    classification head on one of them (`HEAD_CLASSES`).
 
     Wrappers (FSDP2 keeps the class name prefixed, `torch.compile` wraps in `_orig_mod`,
     PEFT in `PeftModel` / `LoraModel`) are looked through; subclasses of the supported
     classes count.
     """
-    return isinstance(unwrap_qwen35(model), SUPPORTED_CLASSES)
+    return qwen35_family(model) == "dense"
 
 
 def qwen35_family(model: nn.Module) -> str | None:
-    """"dense", "moe", or None for a model of neither family (wrappers looked through)."""
+    """"dense", "moe", or None for a model of neither family (wrappers looked through; a
+    classification head takes its backbone's family)."""
     inner = unwrap_qwen35(model)
+    inner = head_backbone(inner) or inner
     if isinstance(inner, SUPPORTED_CLASSES):
         return "dense"
     return "moe" if isinstance(inner, MOE_CLASSES) else None
@@ -80,7 +104,7 @@ def qwen35_family(model: nn.Module) -> str | None:
 
 def supported_class_names(families: tuple[str, ...] = ("dense",)) -> str:
     classes = (SUPPORTED_CLASSES if "dense" in families else ()) + (MOE_CLASSES if "moe" in families else ())
-    return ", ".join(cls.__name__ for cls in classes)
+    return ", ".join(cls.__name__ for cls in classes) + " and classification heads on them"
 
 
 @dataclass(frozen=True)
@@ -102,6 +126,7 @@ class Qwen35Parts:
     vision_blocks: tuple[nn.Module, ...]
     family: str = "dense"
     moe_blocks: tuple[nn.Module, ...] = ()
+    head: nn.Module | None = None  # a classification head's `score` (lm_head is None then)
 
 
 def qwen35_parts(model: nn.Module, families: tuple[str, ...] = ("dense",)) -> Qwen35Parts:
@@ -118,6 +143,9 @@ def qwen35_parts(model: nn.Module, families: tuple[str, ...] = ("dense",)) -> Qw
         )
     # The four classes of each family, in the order of SUPPORTED_CLASSES / MOE_CLASSES.
     _causal, conditional, text, base = SUPPORTED_CLASSES if family == "dense" else MOE_CLASSES
+    head = getattr(model, "score", None) if head_backbone(model) is not None else None
+    if head is not None:
+        model = head_backbone(model)
     if isinstance(model, text):
         text_model, vision = model, None
     elif isinstance(model, base):
@@ -138,4 +166,5 @@ def qwen35_parts(model: nn.Module, families: tuple[str, ...] = ("dense",)) -> Qw
         vision_blocks=tuple(vision.blocks) if vision is not None else (),
         family=family,
         moe_blocks=tuple(layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), hf_moe.Qwen3_5MoeSparseMoeBlock)),
+        head=head,
     )

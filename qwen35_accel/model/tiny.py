@@ -157,3 +157,19 @@ def build_tiny_moe_causal_lm(seed: int = 0, *, dtype: torch.dtype = torch.float3
 def build_tiny_moe_vlm(seed: int = 0, *, dtype: torch.dtype = torch.float32, **text_overrides: Any) -> hf_moe.Qwen3_5MoeForConditionalGeneration:
     """Unmodified Transformers `Qwen3_5MoeForConditionalGeneration` (`tiny_moe_vlm_config`), same weights per seed."""
     return _built(hf_moe.Qwen3_5MoeForConditionalGeneration, tiny_moe_vlm_config(**text_overrides), seed, dtype)
+
+
+def build_tiny_sequence_classifier(seed: int = 0, *, num_labels: int = 1, dtype: torch.dtype = torch.float32,
+                                   **config_overrides: Any) -> hf.Qwen3_5TextForSequenceClassification:
+    """Unmodified Transformers `Qwen3_5TextForSequenceClassification` (a reward model at `num_labels`
+    1) on `tiny_text_config` (pad token 0), same weights per seed."""
+    return _built(hf.Qwen3_5TextForSequenceClassification, tiny_text_config(num_labels=num_labels, **config_overrides),
+                  seed, dtype)
+
+
+def build_tiny_token_classifier(seed: int = 0, *, num_labels: int = 3, dtype: torch.dtype = torch.float32,
+                                **text_overrides: Any) -> hf.Qwen3_5ForTokenClassification:
+    """Unmodified Transformers `Qwen3_5ForTokenClassification` on `tiny_vlm_config`, same weights per seed."""
+    config = tiny_vlm_config(**text_overrides)
+    config.num_labels = num_labels
+    return _built(hf.Qwen3_5ForTokenClassification, config, seed, dtype)

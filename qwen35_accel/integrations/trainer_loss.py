@@ -1,26 +1,28 @@
-"""The MoE router's load-balancing loss counted once per step through the plain Trainer.
+"""What the plain Trainer's loss scaling must not multiply: the MoE router's term, a classifier's loss.
 
-The objective a step optimises (docs/moe.md, "The router's loss in a step"):
+Stock `Trainer.compute_loss` (Transformers 5.24, 5.25) multiplies the model's whole loss by
+`num_processes // tp` when the model takes loss kwargs and `num_items_in_batch` is counted
+(`average_tokens_across_devices`, the default), to undo the gradient average over the data-parallel
+ranks of a cross entropy the model divided by the global token count; it then leaves gradient
+accumulation to the loss (no division by the micro-batches). Two losses on Qwen3.5 models are not
+of that kind, and the plugin's `Trainer.compute_loss` point (`trainer_compute_loss`) counts them once:
 
-    CE over the global batch's labelled tokens  +  router_aux_loss_coef × R
-
-R is the mean over the step's router losses: one per data-parallel replica and micro-batch by
-default (each replica's rows, whole rows under cp), one per micro-batch of the global batch with
-`QWEN35_ACCEL_MOE_BALANCE=global`.
-
-Stock `Trainer.compute_loss` (Transformers 5.24, 5.25; issue 48690) multiplies the model's whole
-loss by `num_processes // tp` when it normalises the cross entropy by the global token count
-(`average_tokens_across_devices`, the default, with `num_items_in_batch`), to undo the gradient
-average over the data-parallel ranks: the router term, a per-rank mean that the average already
-treats right, rides along — `num_processes` times the configured coefficient. With
-`num_items_in_batch` it also leaves gradient accumulation to the loss, so the router term is added
-once per micro-batch: `gradient_accumulation_steps` times more. `trainer_compute_loss` takes both
-factors back off the router term (the cross entropy keeps the Trainer's scaling), so any world
-size, layout and accumulation count trains with the coefficient as configured.
+- **The MoE router's load-balancing term** (issue 57). The objective (docs/moe.md, "The router's
+  loss in a step"): `CE over the global batch's labelled tokens + router_aux_loss_coef × R`, R the
+  mean of the step's router losses — one per data-parallel replica and micro-batch by default (each
+  replica's rows, whole rows under cp), one per micro-batch of the global batch with
+  `QWEN35_ACCEL_MOE_BALANCE=global`. Stock's factor rides on the router term (Transformers issue
+  48690): `num_processes` times the coefficient, and once more per micro-batch. The point takes both
+  factors off the router term; the cross entropy keeps the Trainer's scaling.
+- **A classification head's loss** (issue 58: reward models, classifiers). Transformers' generic
+  heads compute a mean over this rank's rows (tokens) and never read `num_items_in_batch`, yet the
+  Trainer counts it for them (their forward takes `**kwargs`) and multiplies: the logged loss and the
+  gradient `num_processes × accumulation` times one process's. The point runs such a call without
+  the count (no multiplication) and divides by the micro-batches: the mean over replicas and
+  micro-batches, one process's when they hold as many rows (tokens).
 
 TRL's trainers do not go through here (they override `compute_loss` and add the router term each
-their own way, unmultiplied: docs/moe.md); a Trainer subclass that calls `super().compute_loss`
-does.
+their own way, unmultiplied: docs/moe.md); a Trainer subclass that calls `super().compute_loss` does.
 """
 
 from __future__ import annotations
@@ -67,21 +69,33 @@ def accumulation_divisor(trainer: Any, num_items_in_batch: Any) -> int:
     return trainer.current_gradient_accumulation_steps if scaled else 1
 
 
-def _router_term_applies(trainer: Any, model: nn.Module, inputs: dict[str, Any]) -> bool:
+def _head_model(model: nn.Module) -> nn.Module | None:
+    """The Qwen3.5 classification head inside what the Trainer calls (wrappers looked through), or None."""
+    from ..model.detect import HEAD_CLASSES, qwen35_family, unwrap_qwen35
+
+    inner = getattr(model, "module", model)
+    if not isinstance(inner, nn.Module) or qwen35_family(inner) is None:
+        return None
+    inner = unwrap_qwen35(inner)
+    return inner if isinstance(inner, HEAD_CLASSES) else None
+
+
+def _models_own_loss(trainer: Any, inputs: dict[str, Any]) -> bool:
     """Whether the model's own loss (labels passed to it, no custom loss) is what compute_loss returns."""
     if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
         return False  # the labels are taken out: the model's loss (router term included) is not used
     pc = getattr(trainer.accelerator, "parallelism_config", None)
     if pc is not None and pc.sp_backend == "deepspeed" and pc.sp_enabled:
         return False  # DeepSpeed's sequence-parallel loss: its own path
-    return inputs.get("labels") is not None and _moe_model(model) is not None
+    return inputs.get("labels") is not None
 
 
 def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper of `Trainer.compute_loss`: on a Qwen3.5-MoE model whose forward adds the router's
     loss (`aux_loss` in its output), the returned loss carries `coef × aux / accumulation` instead of
     stock's `coef × aux × num_processes // tp` (see the module docstring); the cross entropy keeps the
-    Trainer's scaling. Every other model and call is stock.
+    Trainer's scaling. On a Qwen3.5 classification head, the model's loss divided by the accumulation
+    steps, never multiplied. Every other model and call is stock.
 
     The stock scaling is checked at every call: the model's loss, recorded as it leaves the forward,
     times `stock_loss_scale` must equal what the original returns bitwise, else RuntimeError (a
@@ -90,7 +104,16 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                 num_items_in_batch: Any = None, **kwargs: Any) -> Any:
-        if not _router_term_applies(self, model, inputs):
+        own_loss = _models_own_loss(self, inputs)
+        if own_loss and num_items_in_batch is not None and _head_model(model) is not None:
+            # A classifier's loss is a mean over this rank's rows: no count, no multiplication; the
+            # micro-batches averaged (the Trainer will not divide, since a count was made).
+            divisor = accumulation_divisor(self, num_items_in_batch)
+            result = original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=None, **kwargs)
+            loss, outputs = result if return_outputs else (result, None)
+            loss = loss / divisor if divisor != 1 else loss
+            return (loss, outputs) if return_outputs else loss
+        if not own_loss or _moe_model(model) is None:
             return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch,
                             **kwargs)
         recorded: list[torch.Tensor] = []
@@ -114,7 +137,7 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
                     "qwen35_accel: Trainer.compute_loss no longer returns the model's loss times "
                     f"num_processes // tp (= {scale}) as Transformers 5.24-5.25 do (model loss "
                     f"{recorded[0].item() if recorded else None}, returned {loss.item()}); the router-loss correction "
-                    "(qwen35_accel/integrations/router_loss.py) would count the MoE router term wrongly. Install "
+                    "(qwen35_accel/integrations/trainer_loss.py) would count the MoE router term wrongly. Install "
                     "transformers<5.26 within the tested range, or QWEN35_ACCEL=0 and check the router term by hand."
                 )
             from ..parallel.moe import router_loss_coefficient

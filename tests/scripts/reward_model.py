@@ -1,0 +1,44 @@
+"""A reward model trained with the plain Trainer, as a user writes it: `AutoModelForSequenceClassification`
+(num_labels 1) from a saved checkpoint, regression labels, right-padded rows (pad token 0) of 30
+positions, the Trainer's default collator, 4 SGD steps, every value in `trainer_state.json`.
+
+    [accelerate launch --config_file …] tests/scripts/reward_model.py MODEL_DIR OUTPUT_DIR PER_DEVICE [ACCUMULATION]
+
+30 is no multiple of 2·cp: under cp the plugin pads each batch (with the pad token, so the head still
+pools the last real token).
+"""
+
+import sys
+
+import torch
+from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
+
+LENGTH = 30
+
+
+def rows(vocab: int, count: int = 64) -> list[dict]:
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(count):
+        real = int(torch.randint(4, LENGTH + 1, (1,), generator=generator))
+        ids = torch.randint(1, vocab, (real,), generator=generator).tolist()
+        out.append({"input_ids": ids + [0] * (LENGTH - real), "attention_mask": [1] * real + [0] * (LENGTH - real),
+                    "labels": 1.0 + 0.1 * float(torch.randn(1, generator=generator))})  # learnable in 4 steps
+    return out
+
+
+def main(model_dir: str, out: str, per_device: int, accumulation: int) -> None:
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, max_steps=4,
+        optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+        report_to="none", seed=0, dataloader_drop_last=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=rows(model.config.vocab_size))
+    trainer.train()
+    trainer.save_model(out)
+    trainer.save_state()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 1)

@@ -1,0 +1,195 @@
+"""Reward models and classifiers: Qwen3.5's classification heads get what the causal LM gets (issue 58).
+
+A sequence classifier (`AutoModelForSequenceClassification` on a Qwen3.5 config: a reward model at
+num_labels 1) scores each row from its last real token; under context parallelism that token lives
+on one rank. The oracle is the unmodified Transformers head in one process on the whole batch:
+loss and every gradient, the score head's included (fp32 rtol 1e-5: ranks sum in another order).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_world
+from _parity import assert_close, assert_grads_match
+
+ROWS, SEQ = 4, 32
+# Real lengths chosen so that the last real token falls in each of cp 2's four chunks (8 tokens
+# each; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2) and one row is not padded at all.
+LENGTHS = (32, 5, 13, 22)
+
+
+def _rows(vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """Right-padded rows (pad token 0, never inside a row), regression labels."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (ROWS, SEQ), generator=generator)
+    mask = torch.zeros(ROWS, SEQ, dtype=torch.long)
+    for row, length in enumerate(LENGTHS):
+        mask[row, :length] = 1
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask,
+            "labels": torch.randn(ROWS, generator=generator)}
+
+
+def test_the_heads_are_qwen35_models_of_their_backbones_family():
+    """Detection looks through the head to its backbone; the score joins the parts (the FSDP2 tail)."""
+    from qwen35_accel.model.detect import is_sequence_classifier, qwen35_family, qwen35_parts
+    from qwen35_accel.testing.tiny import build_tiny_sequence_classifier, build_tiny_token_classifier
+
+    for model, sequence in ((build_tiny_sequence_classifier(seed=0), True), (build_tiny_token_classifier(seed=0), False)):
+        parts = qwen35_parts(model)
+        assert qwen35_family(model) == "dense" and parts.head is model.score and parts.lm_head is None
+        assert len(parts.decoder_layers) == 3 and is_sequence_classifier(model) is sequence
+
+
+def test_a_token_classifier_under_context_parallelism_is_refused_with_the_reason():
+    from qwen35_accel.parallel.context_parallel.model import check_context_parallel_supported
+    from qwen35_accel.testing.tiny import build_tiny_token_classifier
+
+    with pytest.raises(NotImplementedError, match="Qwen3_5ForTokenClassification under context parallelism"):
+        check_context_parallel_supported(build_tiny_token_classifier(seed=0))
+
+
+def _cp_worker(rank: int, world: int) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.testing.tiny import build_tiny_sequence_classifier
+    from test_cp_model import cp_mesh
+
+    reference = build_tiny_sequence_classifier(seed=0)
+    model = copy.deepcopy(reference)
+    mesh = cp_mesh(world, world)
+    PARALLELIZER.apply(model, mesh)
+    batch = _rows(reference.config.vocab_size, seed=3)
+    want = reference(**batch)
+    want.loss.backward()
+    labels = batch.pop("labels")
+    got = model(**shard_batch(batch, mesh["cp"]), labels=labels)  # the labels are per row: whole on every rank
+    assert got.logits.shape == (ROWS, 1)
+    assert_close(got.logits.detach(), want.logits.detach(), "scores")
+    assert_close(got.loss.detach(), want.loss.detach(), "loss")
+    got.loss.backward()
+    assert assert_grads_match(model, reference) > 0
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_a_reward_model_under_cp2_scores_and_trains_as_one_process():
+    """cp 2: each rank its chunks of every row; the last real token of the rows on either rank
+    (before: refused by Accelerate, and the head pooled each rank's own last token)."""
+    run_world(_cp_worker, 2)
+
+
+def _dp_worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.parallel.fsdp import describe_units
+    from qwen35_accel.testing.tiny import build_tiny_sequence_classifier
+
+    reference = build_tiny_sequence_classifier(seed=0)
+    model = copy.deepcopy(reference)
+    PARALLELIZER.apply(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",)))
+    units = {row["unit"] for row in describe_units(model)}
+    assert {"model.layers.0.linear_attn._fp32_params", "model.norm+score"} <= units, units  # the score in the tail
+    batch = _rows(reference.config.vocab_size, seed=3)
+    want = reference(**batch)  # the mean over the 4 rows: the mean of the two ranks' 2-row means
+    want.loss.backward()
+    mine = {key: value[2 * rank: 2 * rank + 2] for key, value in batch.items()}
+    got = model(**mine)
+    with torch.no_grad():
+        assert_close(got.loss.detach(), reference(**mine).loss, "this rank's loss")
+    got.loss.backward()
+    assert assert_grads_match(model, reference) > 0
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_a_reward_model_under_fsdp2_gets_fp32_gate_units_and_one_process_gradients():
+    run_world(_dp_worker, 2)
+
+
+def _bf16_accelerate_worker(rank: int, world: int) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from qwen35_accel.parallel.fsdp import describe_units
+    from qwen35_accel.testing.tiny import build_tiny_sequence_classifier
+
+    accelerator = Accelerator(mixed_precision="bf16", fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    model = build_tiny_sequence_classifier(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    rows = {row["unit"]: row for row in describe_units(model)}
+    # The YAML's policy on the layers and the score; the gate holders their own fp32 units.
+    assert (rows["model.layers.0"]["storage"], rows["model.layers.0"]["compute"]) == ("float32", "bfloat16"), rows
+    assert rows["model.norm+score"]["compute"] == "bfloat16", rows
+    unit = rows["model.layers.0.linear_attn._fp32_params"]
+    assert (unit["storage"], unit["compute"]) == ("float32", "float32"), unit
+    gates: list[torch.dtype] = []
+    holder = model.model.layers[0].linear_attn._fp32_params  # its pre-hook runs after FSDP2 gathered the unit
+    hook = holder.register_forward_pre_hook(lambda module, _args: gates.append(module.A_log.dtype))
+    batch = _rows(model.config.vocab_size, seed=rank)
+    loss = model(**batch).loss
+    hook.remove()
+    assert gates == [torch.float32], gates  # the gate is computed from fp32 parameters
+    accelerator.backward(loss)
+    optimizer.step()
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.multiprocess
+def test_a_reward_model_under_bf16_mixed_precision_keeps_its_gates_fp32():
+    """Accelerate's FSDP2 preparation with mixed_precision bf16 (what a bf16 YAML sets): the plugin's
+    units, the gates fp32 in the forward (before: Accelerate's own path, one bf16 compute policy)."""
+    run_world(_bf16_accelerate_worker, 2)
+
+
+# An unchanged Trainer script on the reward model (tests/scripts/reward_model.py), batched per config
+# (tests/_launched.py): one process on 4 rows a step against dp 2 with 2 micro-batches of 1 row (the
+# Trainer's loss scaling) and cp 2 (each rank its chunks of the 4 rows).
+from pathlib import Path  # noqa: E402
+
+from _launched import Run, register  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "scripts" / "reward_model.py"
+PREPARED = "Qwen3_5TextForSequenceClassification prepared by qwen35_accel"
+
+
+def save_tiny_reward_model(path: Path) -> None:
+    from qwen35_accel.testing.tiny import build_tiny_sequence_classifier
+
+    build_tiny_sequence_classifier(seed=0).save_pretrained(path)
+
+
+def _run(config: str | None, per_device: int, accumulation: int = 1) -> Run:
+    return Run(config, SCRIPT, ("{in}", "{out}", str(per_device), str(accumulation)), setup=save_tiny_reward_model)
+
+
+register(**{
+    "reward/reference": _run(None, 4),
+    "reward/dp2-ga2": _run("cpu_fsdp2.yaml", 1, 2),
+    "reward/cp2": _run("cpu_fsdp2_cp2.yaml", 4),
+})
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", [
+    pytest.param("reward/dp2-ga2", marks=pytest.mark.launches("reward/reference", "reward/dp2-ga2"), id="dp2-ga2"),
+    pytest.param("reward/cp2", marks=pytest.mark.launches("reward/reference", "reward/cp2"), id="cp2"),
+])
+def test_the_trainer_trains_a_reward_model_as_one_process(launched, name):
+    """Every logged value (loss, grad norm) per step and the saved weights, the score head's included,
+    equal one process's (fp32 rtol 1e-5; SGD). Before: under dp 2 x accumulation 2 the Trainer logged
+    and trained 4 times one process's loss (its scaling assumes a loss divided by the global token
+    count, which the head never reads); under cp 2 Accelerate refused the model."""
+    from test_trainer_launch import assert_same_training
+
+    run, reference = launched(name), launched("reward/reference")
+    lines = [line for line in run.stderr.splitlines() if "prepared by qwen35_accel" in line]
+    assert len(lines) == 1 and PREPARED in lines[0] and "fp32 gate holders" in lines[0], run.stderr[-3000:]
+    assert_same_training(run.out, reference.out, rtol=1e-5)

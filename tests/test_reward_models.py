@@ -169,7 +169,27 @@ def _run(config: str | None, per_device: int, accumulation: int = 1) -> Run:
     return Run(config, SCRIPT, ("{in}", "{out}", str(per_device), str(accumulation)), setup=save_tiny_reward_model)
 
 
+TRL_SCRIPT = Path(__file__).parent / "scripts" / "trl_reward.py"
+TOKENIZER = Path(__file__).parent.parent / "recipes" / "configs" / "tokenizer"
+
+
+def save_tiny_reward_model_with_tokenizer(path: Path) -> None:
+    """The tiny reward model at the recipes' byte-level vocabulary (pad = eos = 256), with its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from qwen35_accel.testing.tiny import build_tiny_sequence_classifier
+
+    build_tiny_sequence_classifier(seed=0, vocab_size=264, pad_token_id=256, eos_token_id=256).save_pretrained(path)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(path)
+
+
+def _trl_run(config: str | None) -> Run:
+    return Run(config, TRL_SCRIPT, ("{in}", "{out}", "4"), setup=save_tiny_reward_model_with_tokenizer)
+
+
 register(**{
+    "reward/trl-reference": _trl_run(None),
+    "reward/trl-cp2": _trl_run("cpu_fsdp2_cp2.yaml"),
     "reward/reference": _run(None, 4),
     "reward/dp2-ga2": _run("cpu_fsdp2.yaml", 1, 2),
     "reward/cp2": _run("cpu_fsdp2_cp2.yaml", 4),
@@ -193,3 +213,20 @@ def test_the_trainer_trains_a_reward_model_as_one_process(launched, name):
     lines = [line for line in run.stderr.splitlines() if "prepared by qwen35_accel" in line]
     assert len(lines) == 1 and PREPARED in lines[0] and "fp32 gate holders" in lines[0], run.stderr[-3000:]
     assert_same_training(run.out, reference.out, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.launches("reward/trl-reference", "reward/trl-cp2")
+def test_trl_reward_trainer_under_cp2_logs_what_one_process_logs(launched):
+    """TRL's `RewardTrainer` (chosen/rejected pairs, its own collator and loss) under cpu_fsdp2_cp2.yaml:
+    every value it logs per step — loss, grad norm, accuracy, margin, min/mean/max reward, num_tokens —
+    equals one process's (fp32 rtol 1e-5; the margins are near zero, atol 1e-6). Before: Accelerate
+    refused CP for the model on every rank."""
+    from _parity import assert_same_log_history, log_history
+
+    run, reference = launched("reward/trl-cp2"), launched("reward/trl-reference")
+    assert run.stderr.count("Qwen3_5TextForSequenceClassification prepared by qwen35_accel") == 1, run.stderr[-3000:]
+    logged = [e for e in log_history(reference.out) if "loss" in e]
+    assert len(logged) == 3 and all({"accuracy", "margin", "mean_reward"} <= set(e) for e in logged), logged
+    assert_same_log_history(run.out, reference.out, rtol=1e-5, atol=1e-6)

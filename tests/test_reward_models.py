@@ -220,8 +220,8 @@ def test_the_trainer_trains_a_reward_model_as_one_process(launched, name):
 @pytest.mark.launches("reward/trl-reference", "reward/trl-cp2")
 def test_trl_reward_trainer_under_cp2_logs_what_one_process_logs(launched):
     """TRL's `RewardTrainer` (chosen/rejected pairs, its own collator and loss) under cpu_fsdp2_cp2.yaml:
-    every value it logs per step — loss, grad norm, accuracy, margin, min/mean/max reward, num_tokens —
-    equals one process's (fp32 rtol 1e-5; the margins are near zero, atol 1e-6). Before: Accelerate
+    every value it logs per step — loss, grad norm, accuracy, margin, min/mean/max reward, num_tokens,
+    and the same of its evaluation after step 3 — equals one process's (fp32 rtol 1e-5; the margins are near zero, atol 1e-6). Before: Accelerate
     refused CP for the model on every rank."""
     from _parity import assert_same_log_history, log_history
 
@@ -229,4 +229,5 @@ def test_trl_reward_trainer_under_cp2_logs_what_one_process_logs(launched):
     assert run.stderr.count("Qwen3_5TextForSequenceClassification prepared by qwen35_accel") == 1, run.stderr[-3000:]
     logged = [e for e in log_history(reference.out) if "loss" in e]
     assert len(logged) == 3 and all({"accuracy", "margin", "mean_reward"} <= set(e) for e in logged), logged
+    assert any("eval_accuracy" in e for e in log_history(reference.out))  # and the evaluation's values
     assert_same_log_history(run.out, reference.out, rtol=1e-5, atol=1e-6)

@@ -112,6 +112,46 @@ def test_a_reward_model_under_fsdp2_gets_fp32_gate_units_and_one_process_gradien
     run_world(_dp_worker, 2)
 
 
+def _tp_worker(rank: int, world: int, cp: int) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
+    from qwen35_accel.testing.tiny import build_tiny_sequence_classifier
+    from test_tensor_parallel import mesh_for
+
+    from _parity import hf_name
+
+    reference = build_tiny_sequence_classifier(seed=0)
+    model = copy.deepcopy(reference)
+    tp, dp = 2, world // cp // 2
+    mesh = mesh_for(world, dp, cp, tp)
+    PARALLELIZER.apply(model, mesh)
+    batch = _rows(reference.config.vocab_size, seed=5)
+    want = reference(**batch)
+    want.loss.backward()
+    rows = ROWS // dp
+    replica = rank // (cp * tp)  # Accelerate's mesh order (dp, cp, tp): a dp rank's cp and tp ranks share its rows
+    mine = {key: value[replica * rows: (replica + 1) * rows] for key, value in batch.items()}
+    labels = mine.pop("labels")
+    got = model(**(shard_batch(mine, mesh["cp"]) if cp > 1 else mine), labels=labels)
+    with torch.no_grad():
+        assert_close(got.loss.detach(), reference(**mine, labels=labels).loss, f"rank {rank}: loss")
+    got.loss.backward()
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():  # the head-split parameters gathered to Transformers' layout
+        assert_close(gather_tensor_parallel(model, name, param.grad), reference_params[hf_name(name)].grad, f"grad of {name}")
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # world 4
+@pytest.mark.parametrize("cp", [1, 2], ids=["dp2xtp2", "cp2xtp2"])
+def test_a_reward_model_under_tensor_parallelism_trains_as_one_process(cp):
+    """Head-parallel decoder layers (the score replicated on the tp ranks) with dp 2 or cp 2: each rank's
+    loss and every gathered gradient equal one process's on the whole batch."""
+    run_world(_tp_worker, 4, cp)
+
+
 def _bf16_accelerate_worker(rank: int, world: int) -> None:
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin

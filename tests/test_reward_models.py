@@ -83,6 +83,44 @@ def test_a_reward_model_under_cp2_scores_and_trains_as_one_process():
     run_world(_cp_worker, 2)
 
 
+def _lora_cp_worker(rank: int, world: int) -> None:
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.testing.tiny import build_tiny_sequence_classifier
+    from test_cp_model import cp_mesh
+
+    def lora(model):
+        torch.manual_seed(0)
+        config = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules=["q_proj", "in_proj_qkv"],
+                            init_lora_weights=False)  # B != 0: the adapters matter from the first step
+        return get_peft_model(model, config)
+
+    reference = lora(build_tiny_sequence_classifier(seed=0))
+    model = lora(build_tiny_sequence_classifier(seed=0))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert any("score" in name for name in trainable) and any("lora_A" in name for name in trainable), trainable
+    mesh = cp_mesh(world, world)
+    PARALLELIZER.apply(model, mesh)
+    batch = _rows(reference.config.vocab_size, seed=4)
+    want = reference(**batch)
+    want.loss.backward()
+    labels = batch.pop("labels")
+    got = model(**shard_batch(batch, mesh["cp"]), labels=labels)
+    assert_close(got.loss.detach(), want.loss.detach(), "loss")
+    got.loss.backward()
+    assert assert_grads_match(model, reference) == len(trainable)  # every adapter and the score (modules_to_save)
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_a_lora_reward_model_under_cp2_trains_as_the_peft_model_in_one_process():
+    """PEFT LoRA for sequence classification (the score trained whole: PEFT's modules_to_save for
+    SEQ_CLS) under cp 2: loss, every adapter's and the score's gradient equal the PEFT model's."""
+    run_world(_lora_cp_worker, 2)
+
+
 def _dp_worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 

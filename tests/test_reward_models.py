@@ -121,6 +121,47 @@ def test_a_lora_reward_model_under_cp2_trains_as_the_peft_model_in_one_process()
     run_world(_lora_cp_worker, 2)
 
 
+def _vlm_cp_worker(rank: int, world: int) -> None:
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.model.tiny import randomize_for_parity
+    from qwen35_accel.testing.tiny import placed_vlm_batch, tiny_vlm_config
+    from test_cp_model import cp_mesh
+    from test_vlm_cp import FULL, SEQ
+
+    config = tiny_vlm_config()
+    config.num_labels = 1
+    torch.manual_seed(0)
+    reference = randomize_for_parity(hf.Qwen3_5ForSequenceClassification(config), seed=0)
+    model = copy.deepcopy(reference)
+    mesh = cp_mesh(world, world)
+    PARALLELIZER.apply(model, mesh)
+    rows, padding = FULL
+    batch = placed_vlm_batch(config, rows, SEQ, seed=9, padding=padding)
+    batch.pop("labels")
+    batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, config.text_config.pad_token_id)
+    labels = torch.tensor([0.5, -1.0])
+    want = reference(**batch, labels=labels)
+    want.loss.backward()
+    got = model(**shard_batch(batch, mesh["cp"]), labels=labels)
+    assert_close(got.logits.detach(), want.logits.detach(), "scores")
+    assert_close(got.loss.detach(), want.loss.detach(), "loss")
+    got.loss.backward()
+    grads = assert_grads_match(model, reference)
+    assert grads == len([p for p in reference.parameters() if p.requires_grad])  # the vision tower's included
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_the_vlm_reward_model_with_images_under_cp2_scores_and_trains_as_one_process():
+    """`Qwen3_5ForSequenceClassification` (the VLM's config) with images and a video straddling the
+    ranks' chunks, one row right-padded: the tower's work split over the cp ranks as for the VLM,
+    the last real token pooled across them; scores, loss and every gradient equal one process's."""
+    run_world(_vlm_cp_worker, 2)
+
+
 def _dp_worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -42,7 +42,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
-from ..model.detect import unwrap_qwen35
+from ..model.detect import head_backbone, unwrap_qwen35
 
 PLACEHOLDER_HOOK_ATTR = "_qwen35_vision_placeholder_hook"
 
@@ -68,8 +68,9 @@ def placeholder_image(vision_config: Any, device: torch.device | str) -> tuple[t
 
 def _inner_vlm(model: nn.Module) -> hf.Qwen3_5Model:
     """The VLM's inner model (`Qwen3_5Model`, or the MoE family's `Qwen3_5MoeModel`: the same
-    vision tower and multimodal forward)."""
+    vision tower and multimodal forward; a classification head's backbone)."""
     model = unwrap_qwen35(model)
+    model = head_backbone(model) or model
     conditional = (hf.Qwen3_5ForConditionalGeneration, hf_moe.Qwen3_5MoeForConditionalGeneration)
     inner = model.model if isinstance(model, conditional) else model
     if not isinstance(inner, (hf.Qwen3_5Model, hf_moe.Qwen3_5MoeModel)):

@@ -322,8 +322,8 @@ register(**{
     pytest.param("reward/cp2", marks=pytest.mark.launches("reward/reference", "reward/cp2"), id="cp2"),
 ])
 def test_the_trainer_trains_a_reward_model_as_one_process(launched, name):
-    """Every logged value (loss, grad norm) per step and the saved weights, the score head's included,
-    equal one process's (fp32 rtol 1e-5; SGD). Before: under dp 2 x accumulation 2 the Trainer logged
+    """Every logged value (loss, grad norm, the evaluation's loss) per step, the saved weights (the score
+    head's included) and `predict`'s scores equal one process's (fp32 rtol 1e-5; SGD). Before: under dp 2 x accumulation 2 the Trainer logged
     and trained 4 times one process's loss (its scaling assumes a loss divided by the global token
     count, which the head never reads); under cp 2 Accelerate refused the model."""
     from test_trainer_launch import assert_same_training
@@ -331,7 +331,10 @@ def test_the_trainer_trains_a_reward_model_as_one_process(launched, name):
     run, reference = launched(name), launched("reward/reference")
     lines = [line for line in run.stderr.splitlines() if "prepared by qwen35_accel" in line]
     assert len(lines) == 1 and PREPARED in lines[0] and "fp32 gate holders" in lines[0], run.stderr[-3000:]
-    assert_same_training(run.out, reference.out, rtol=1e-5)
+    assert_same_training(run.out, reference.out, rtol=1e-5)  # the evaluation's loss among the logged values
+    got, want = (torch.load(r.out / "predictions.pt") for r in (run, reference))
+    assert got.shape == want.shape == (8, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -59,10 +59,13 @@ def stock_loss_scale(trainer: Any, num_items_in_batch: Any) -> int:
     return trainer.accelerator.num_processes // trainer.get_tp_size() if trainer.args.n_gpu <= 1 else trainer.args.n_gpu
 
 
-def accumulation_divisor(trainer: Any, num_items_in_batch: Any) -> int:
+def accumulation_divisor(trainer: Any, num_items_in_batch: Any, training: bool) -> int:
     """By how much the router term of one micro-batch must be divided in the loss `compute_loss`
-    returns: the accumulation steps when `training_step` will not divide the loss itself (the loss
-    counts as already scaled for accumulation, as the Trainer decides it), else 1."""
+    returns: in training, the accumulation steps when `training_step` will not divide the loss itself
+    (the loss counts as already scaled for accumulation, as the Trainer decides it), else 1;
+    evaluation (`prediction_step` passes a count too) accumulates nothing: 1."""
+    if not training:
+        return 1
     scaled = trainer.loss_is_scaled_for_ga
     if scaled is None:
         scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or trainer.compute_loss_func is not None
@@ -108,7 +111,7 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
         if own_loss and num_items_in_batch is not None and _head_model(model) is not None:
             # A classifier's loss is a mean over this rank's rows: no count, no multiplication; the
             # micro-batches averaged (the Trainer will not divide, since a count was made).
-            divisor = accumulation_divisor(self, num_items_in_batch)
+            divisor = accumulation_divisor(self, num_items_in_batch, model.training)
             result = original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=None, **kwargs)
             loss, outputs = result if return_outputs else (result, None)
             loss = loss / divisor if divisor != 1 else loss
@@ -143,7 +146,7 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
             from ..parallel.moe import router_loss_coefficient
 
             coefficient = router_loss_coefficient(_moe_model(model))
-            keep = 1.0 / accumulation_divisor(self, num_items_in_batch)
+            keep = 1.0 / accumulation_divisor(self, num_items_in_batch, model.training)
             if scale != keep:
                 loss = loss - (scale - keep) * coefficient * aux.to(loss.dtype)
         return (loss, outputs) if return_outputs else loss

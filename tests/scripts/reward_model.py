@@ -1,6 +1,7 @@
 """A reward model trained with the plain Trainer, as a user writes it: `AutoModelForSequenceClassification`
 (num_labels 1) from a saved checkpoint, regression labels, right-padded rows (pad token 0) of 30
-positions, the Trainer's default collator, 4 SGD steps, every value in `trainer_state.json`.
+positions, the Trainer's default collator, 4 SGD steps and an evaluation on 8 rows after the last,
+every value in `trainer_state.json`, then `predict` on those 8 rows (the scores in `predictions.pt`).
 
     [accelerate launch --config_file …] tests/scripts/reward_model.py MODEL_DIR OUTPUT_DIR PER_DEVICE [ACCUMULATION]
 
@@ -32,12 +33,17 @@ def main(model_dir: str, out: str, per_device: int, accumulation: int) -> None:
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, max_steps=4,
         optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-        report_to="none", seed=0, dataloader_drop_last=True,
+        report_to="none", seed=0, dataloader_drop_last=True, eval_strategy="steps", eval_steps=4,
+        per_device_eval_batch_size=per_device,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=rows(model.config.vocab_size))
+    data = rows(model.config.vocab_size)
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8])
     trainer.train()
     trainer.save_model(out)
     trainer.save_state()
+    predictions = torch.as_tensor(trainer.predict(data[:8]).predictions)
+    if trainer.is_world_process_zero():
+        torch.save(predictions, f"{out}/predictions.pt")
 
 
 if __name__ == "__main__":

@@ -353,3 +353,33 @@ def test_trl_reward_trainer_under_cp2_logs_what_one_process_logs(launched):
     assert len(logged) == 3 and all({"accuracy", "margin", "mean_reward"} <= set(e) for e in logged), logged
     assert any("eval_accuracy" in e for e in log_history(reference.out))  # and the evaluation's values
     assert_same_log_history(run.out, reference.out, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_trl_grpo_cli_with_a_qwen35_reward_model_under_cp2_logs_what_one_process_logs(tmp_path):
+    """`trl grpo --reward_model_name_or_path` (TRL loads the tiny reward model with
+    AutoModelForSequenceClassification and scores every completion with it) under cpu_fsdp2_cp2.yaml
+    against one process: the rewards, advantages, loss and every other logged value per step."""
+    import json
+
+    from _parity import assert_same_log_history, log_history
+    from _trl_cli import RECIPES, saved_tiny_model, single_and_cp2
+
+    model = saved_tiny_model(tmp_path / "model", eos_token_ids=range(60, 99))  # some completions stop early
+    save_tiny_reward_model_with_tokenizer(tmp_path / "reward")
+    data = tmp_path / "data"
+    data.mkdir()
+    records = [json.loads(line) for line in (RECIPES / "data" / "sft_tiny.jsonl").read_text().splitlines()[:16]]
+    (data / "train.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in records))
+    common = [
+        "--model_name_or_path", str(model), "--dataset_name", str(data), "--reward_model_name_or_path", str(tmp_path / "reward"),
+        "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
+        "--max_completion_length", "8", "--beta", "0.1", "--optim", "sgd", "--learning_rate", "0.1", "--seed", "0",
+        "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2", "--save_only_model", "True",
+        "--report_to", "none", "--dtype", "float32", "--attn_implementation", "sdpa", "--bf16", "False",
+    ]
+    single, cp2, output = single_and_cp2(tmp_path, "grpo", common, step=2)
+    logged = [e for e in log_history(single) if "loss" in e]
+    assert len(logged) == 2 and all(e["reward_std"] > 0 for e in logged), logged  # the scorer's rewards differ
+    assert_same_log_history(cp2, single, rtol=1e-5, atol=1e-6, skip=("step_time",))

@@ -103,7 +103,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "router term counted once per step, coef x aux / gradient_accumulation_steps, the cross entropy scaled as "
         "stock (stock multiplies the whole loss by num_processes // tp: the router term num_processes times too "
         "strong, and once more per accumulated micro-batch; Transformers issue 48690); the stock scaling checked at "
-        "every call. A Qwen3.5 classification head (reward model): its per-rank mean loss never multiplied, divided "
+        "each trainer's first call. A Qwen3.5 classification head (reward model): its per-rank mean loss never multiplied, divided "
         "by the micro-batches (stock: num_processes x accumulation times one process's loss and gradient)",
     ),
     PatchPoint(

@@ -28,11 +28,16 @@ their own way, unmultiplied: docs/moe.md); a Trainer subclass that calls `super(
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+
+# Trainers whose stock scaling was checked (once each: the check reads a scalar back, a host sync).
+_CHECKED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _moe_model(model: nn.Module) -> nn.Module | None:
@@ -100,9 +105,10 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
     Trainer's scaling. On a Qwen3.5 classification head, the model's loss divided by the accumulation
     steps, never multiplied. Every other model and call is stock.
 
-    The stock scaling is checked at every call: the model's loss, recorded as it leaves the forward,
-    times `stock_loss_scale` must equal what the original returns bitwise, else RuntimeError (a
-    Transformers release that changed the scaling, or fixed issue 48690, would be corrected twice)."""
+    The stock scaling is checked at each trainer's first such call (a host sync, once): the model's
+    loss, recorded as it leaves the forward, times `stock_loss_scale` must equal what the original
+    returns bitwise, else RuntimeError (a Transformers release that changed the scaling, or fixed
+    issue 48690, would be corrected twice)."""
 
     @functools.wraps(original)
     def wrapper(self: Any, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
@@ -126,16 +132,17 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
             if loss is not None and not recorded:
                 recorded.append(loss.detach().clone())
 
-        handle = model.register_forward_hook(record)
+        handle = model.register_forward_hook(record) if self not in _CHECKED else None
         try:
             loss, outputs = original(self, model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch,
                                      **kwargs)
         finally:
-            handle.remove()
+            if handle is not None:
+                handle.remove()
         aux = outputs.get("aux_loss") if isinstance(outputs, dict) else None
         if aux is not None:
             scale = stock_loss_scale(self, num_items_in_batch)
-            if not recorded or not torch.equal(loss.detach(), recorded[0] * scale):
+            if handle is not None and (not recorded or not torch.equal(loss.detach(), recorded[0] * scale)):
                 raise RuntimeError(
                     "qwen35_accel: Trainer.compute_loss no longer returns the model's loss times "
                     f"num_processes // tp (= {scale}) as Transformers 5.24-5.25 do (model loss "
@@ -143,6 +150,7 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
                     "(qwen35_accel/integrations/trainer_loss.py) would count the MoE router term wrongly. Install "
                     "transformers<5.26 within the tested range, or QWEN35_ACCEL=0 and check the router term by hand."
                 )
+            _CHECKED.add(self)
             from ..parallel.moe import router_loss_coefficient
 
             coefficient = router_loss_coefficient(_moe_model(model))

@@ -45,12 +45,38 @@ def test_the_heads_are_qwen35_models_of_their_backbones_family():
         assert len(parts.decoder_layers) == 3 and is_sequence_classifier(model) is sequence
 
 
-def test_a_token_classifier_under_context_parallelism_is_refused_with_the_reason():
-    from qwen35_accel.parallel.context_parallel.model import check_context_parallel_supported
+def _token_cp_worker(rank: int, world: int) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import gather_sequence, shard_batch
     from qwen35_accel.testing.tiny import build_tiny_token_classifier
+    from test_cp_model import cp_mesh
 
-    with pytest.raises(NotImplementedError, match="Qwen3_5ForTokenClassification under context parallelism"):
-        check_context_parallel_supported(build_tiny_token_classifier(seed=0))
+    reference = build_tiny_token_classifier(seed=0)
+    reference.model.visual.requires_grad_(False)  # text rows: the tower is not part of the comparison
+    model = copy.deepcopy(reference)
+    mesh = cp_mesh(world, world)
+    PARALLELIZER.apply(model, mesh)
+    batch = _rows(reference.config.text_config.vocab_size - 8, seed=6)  # below the VLM's special tokens
+    generator = torch.Generator().manual_seed(2)
+    labels = torch.randint(0, reference.config.num_labels, (ROWS, SEQ), generator=generator)
+    batch["labels"] = labels.masked_fill(batch["attention_mask"] == 0, -100)  # padding unlabelled; not shifted
+    want = reference(**batch)
+    want.loss.backward()
+    got = model(**shard_batch(batch, mesh["cp"]))
+    assert_close(got.loss.detach(), want.loss.detach(), "loss")
+    real = batch["attention_mask"].bool()
+    assert_close(gather_sequence(got.logits.detach(), mesh["cp"])[real], want.logits.detach()[real], "token logits")
+    got.loss.backward()
+    assert assert_grads_match(model, reference) > 0
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_a_token_classifier_under_cp2_labels_and_trains_as_one_process():
+    """`Qwen3_5ForTokenClassification` under cp 2: labels where their tokens stand (unshifted), the
+    cross entropy over the cp group's labelled tokens; loss, the tokens' logits and every gradient
+    equal one process's (before: refused)."""
+    run_world(_token_cp_worker, 2)
 
 
 def _cp_worker(rank: int, world: int) -> None:
@@ -306,7 +332,21 @@ def _trl_run(config: str | None) -> Run:
     return Run(config, TRL_SCRIPT, ("{in}", "{out}", "4"), setup=save_tiny_reward_model_with_tokenizer)
 
 
+TOKEN_SCRIPT = Path(__file__).parent / "scripts" / "token_classifier.py"
+
+
+def save_tiny_token_classifier(path: Path) -> None:
+    """The tiny token classifier (the VLM's config, 3 labels, no dropout), its vision tower frozen."""
+    from qwen35_accel.testing.tiny import build_tiny_token_classifier
+
+    model = build_tiny_token_classifier(seed=0)
+    model.model.visual.requires_grad_(False)
+    model.save_pretrained(path)
+
+
 register(**{
+    "token/reference": Run(None, TOKEN_SCRIPT, ("{in}", "{out}", "4"), setup=save_tiny_token_classifier),
+    "token/cp2": Run("cpu_fsdp2_cp2.yaml", TOKEN_SCRIPT, ("{in}", "{out}", "4"), setup=save_tiny_token_classifier),
     "reward/trl-reference": _trl_run(None),
     "reward/trl-cp2": _trl_run("cpu_fsdp2_cp2.yaml"),
     "reward/reference": _run(None, 4),
@@ -383,3 +423,23 @@ def test_trl_grpo_cli_with_a_qwen35_reward_model_under_cp2_logs_what_one_process
     logged = [e for e in log_history(single) if "loss" in e]
     assert len(logged) == 2 and all(e["reward_std"] > 0 for e in logged), logged  # the scorer's rewards differ
     assert_same_log_history(cp2, single, rtol=1e-5, atol=1e-6, skip=("step_time",))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.launches("token/reference", "token/cp2")
+def test_the_trainer_trains_a_token_classifier_under_cp2_as_one_process(launched):
+    """An unchanged Trainer script on `AutoModelForTokenClassification` under cpu_fsdp2_cp2.yaml: the
+    labels sharded where their tokens stand (the Trainer's CP preparation would shift them), the loss
+    over the cp group's labelled tokens; every logged value (loss, grad norm, eval_loss) and the saved
+    weights equal one process's (before: refused, or the labels shifted)."""
+    from _parity import assert_same_log_history
+    from test_trainer_launch import weights
+
+    run, reference = launched("token/cp2"), launched("token/reference")
+    assert run.stderr.count("Qwen3_5ForTokenClassification prepared by qwen35_accel") == 1, run.stderr[-3000:]
+    assert_same_log_history(run.out, reference.out, rtol=1e-5)
+    got, want = weights(run.out), weights(reference.out)
+    assert set(got) == set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")

@@ -109,7 +109,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(
         "transformers.trainer", "Trainer._prepare_context_parallel_inputs", step_hooks.prepare_context_parallel_inputs,
         TRANSFORMERS,
-        "dense Qwen3.5 under cp > 1: the batch is right-padded to a multiple of 2*cp first (padding-free collators "
+        "dense Qwen3.5 under cp > 1: a sequence classifier's per-row labels kept whole (its padding the pad token), a "
+        "token classifier's labels sharded unshifted; the batch is right-padded to a multiple of 2*cp first (padding-free collators "
         "make rows of any length; stock leaves that to the collator); TRL's DPO/KTO/GRPO/RLOO batches left whole (their "
         "fused head shards whole rows itself); with a TRL outside 1.16.x refused under cp, GRPO/RLOO under tp too",
     ),

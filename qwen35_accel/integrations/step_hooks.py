@@ -76,7 +76,7 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
         _refuse_logits_consumers_of_vocab_slices(self, accelerator)
         if whole_rows:
             return contextlib.nullcontext, inputs
-        row_labels = None
+        row_labels, token_labels = None, False
         if cp_mesh is not None and isinstance(inputs, Mapping) and (  # collators may return a BatchEncoding
             inputs.get("input_ids") is not None or inputs.get("inputs_embeds") is not None
         ):
@@ -88,6 +88,11 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
             classifier = _sequence_classifier_pad_token(model)
             if classifier is not None:  # per-row labels: whole on every rank, neither shifted nor sharded
                 row_labels = inputs.pop("labels", None)
+            elif _is_token_classifier(model) and inputs.get("labels") is not None:
+                # Per-token labels where they stand: handed over as the labels the stock preparation
+                # shards as they are (it would shift `labels`), given back their name below.
+                inputs["shift_labels"] = inputs.pop("labels")
+                token_labels = True
             length = (inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs["inputs_embeds"]).shape[1]
             inputs = pad_batch_for_context_parallel(inputs, cp_mesh.size())
             if classifier is not None and inputs.get("input_ids") is not None:
@@ -95,9 +100,18 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
         context, inputs = original(self, model, inputs)
         if row_labels is not None:
             inputs["labels"] = row_labels
+        if token_labels:  # the same tensor object: the CP context shards it in place when entered
+            inputs["labels"] = inputs.pop("shift_labels")
         return context, inputs
 
     return wrapper
+
+
+def _is_token_classifier(model: Any) -> bool:
+    from ..model.detect import is_token_classifier
+
+    inner = getattr(model, "module", model)
+    return isinstance(inner, torch.nn.Module) and is_token_classifier(inner)
 
 
 def _sequence_classifier_pad_token(model: Any) -> int | None:

@@ -69,6 +69,12 @@ def is_sequence_classifier(model: nn.Module) -> bool:
     return isinstance(inner, GenericForSequenceClassification) and qwen35_family(inner) is not None
 
 
+def is_token_classifier(model: nn.Module) -> bool:
+    """A Qwen3.5 model whose head labels every token where it stands (labels not shifted)."""
+    inner = unwrap_qwen35(model)
+    return isinstance(inner, GenericForTokenClassification) and qwen35_family(inner) is not None
+
+
 def unwrap_qwen35(model: nn.Module) -> nn.Module:
     """`model` without the wrappers detection looks through: `torch.compile`'s `_orig_mod`
     and PEFT adapter wrappers (`peft_base_model`). Returns `model` itself when unwrapped."""

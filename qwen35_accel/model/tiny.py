@@ -172,4 +172,5 @@ def build_tiny_token_classifier(seed: int = 0, *, num_labels: int = 3, dtype: to
     """Unmodified Transformers `Qwen3_5ForTokenClassification` on `tiny_vlm_config`, same weights per seed."""
     config = tiny_vlm_config(**text_overrides)
     config.num_labels = num_labels
+    config.classifier_dropout = 0.0  # Transformers' default 0.1 draws other masks on every rank
     return _built(hf.Qwen3_5ForTokenClassification, config, seed, dtype)

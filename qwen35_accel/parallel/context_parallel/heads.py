@@ -10,8 +10,12 @@ of `[batch, hidden]`, zeros elsewhere), so every rank scores the same pooled hid
 computes the same loss. The gradient reaches the owner's token scaled by cp, as the causal LM's
 loss is (`losses.reduce_token_loss`): FSDP2's average over dp_shard × cp then gives one process's.
 
-Token classification (`Qwen3_5ForTokenClassification`) is refused under cp: its per-token labels
-are not shifted, and the Trainer's CP input preparation shifts them.
+A token classifier (`Qwen3_5ForTokenClassification`) labels every token where it stands: its labels
+are sharded with the tokens, unshifted (the Trainer's CP preparation would shift them as a causal LM's:
+the plugin hands them to it as `shift_labels`, already in place), and its cross entropy is reduced over
+the cp group as the causal LM's (`losses.reduce_token_loss`: the group's mean over labelled tokens on
+every rank, each rank's gradient its share scaled for FSDP2's average). Its `logits` are this rank's
+chunks'.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers.modeling_layers import GenericForSequenceClassification, GenericForTokenClassification
-from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast, TokenClassifierOutput
 
+from ..losses import IGNORE_INDEX, reduce_token_loss
 from .layout import local_positions
 
 HEAD_GROUP_ATTR = "_cp_group"  # the name the CP layers use: `context_parallel_paused` pauses the head too
@@ -56,54 +61,66 @@ def pooled_last_real_token(
     return seed + (whole - seed).detach()
 
 
+def _sequence_classifier_forward(self: nn.Module, input_ids: Any, labels: Any, group: Any, kwargs: dict[str, Any]) -> Any:
+    """`GenericForSequenceClassification.forward` on this rank's chunks: the pooled hidden state of
+    the whole row (`pooled_last_real_token`), then the score and Transformers' loss on it."""
+    outputs = getattr(self, self.base_model_prefix)(input_ids, use_cache=False, **kwargs)
+    pad_token_id = self.config.get_text_config().pad_token_id
+    pooled = pooled_last_real_token(outputs.last_hidden_state, input_ids, pad_token_id, group)
+    pooled_logits = self.score(pooled)
+    loss = None
+    if labels is not None:
+        loss = self.loss_function(logits=pooled_logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
+    return SequenceClassifierOutputWithPast(
+        loss=loss, logits=pooled_logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+    )
+
+
+def _token_classifier_forward(self: nn.Module, input_ids: Any, labels: Any, group: Any, kwargs: dict[str, Any]) -> Any:
+    """`GenericForTokenClassification.forward` on this rank's chunks; `labels` `[batch, local seq]`
+    (sharded with the tokens, unshifted, -100 ignored): the cross entropy over the cp group's tokens."""
+    outputs = getattr(self, self.base_model_prefix)(input_ids, use_cache=False, **kwargs)
+    logits = self.score(self.dropout(outputs.last_hidden_state))
+    loss = None
+    if labels is not None:
+        targets = labels.reshape(-1).to(logits.device)
+        labelled = targets != IGNORE_INDEX
+        local_sum = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float()[labelled], targets[labelled], reduction="sum"
+        )
+        loss = reduce_token_loss(local_sum, labelled.sum(), None, group)
+    return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
 def _context_parallel_class(cls: type) -> type:
     """`cls` with the CP forward (one subclass per class, named as `cls`, so checkpoints and the
     Trainer's signature inspection see Transformers' class)."""
     if cls in _CP_HEAD_CLASSES:
         return _CP_HEAD_CLASSES[cls]
     base_forward = cls.forward
+    local_forward = _token_classifier_forward if issubclass(cls, GenericForTokenClassification) else _sequence_classifier_forward
 
     @functools.wraps(base_forward)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        """`GenericForSequenceClassification.forward` on this rank's chunks: the pooled hidden state
-        of the whole row (`pooled_last_real_token`), then the score and Transformers' loss on it."""
         group = self.__dict__.get(HEAD_GROUP_ATTR)
         if group is None:  # CP paused (whole sequences on every rank): Transformers' forward
             return base_forward(self, *args, **kwargs)
         if args:
             kwargs["input_ids"] = args[0]
         input_ids, labels = kwargs.pop("input_ids", None), kwargs.pop("labels", None)
-        kwargs.pop("cache", None)
-        kwargs.pop("use_cache", None)
-        outputs = getattr(self, self.base_model_prefix)(input_ids, use_cache=False, **kwargs)
-        pad_token_id = self.config.get_text_config().pad_token_id
-        pooled = pooled_last_real_token(outputs.last_hidden_state, input_ids, pad_token_id, group)
-        pooled_logits = self.score(pooled)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=pooled_logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
-        return SequenceClassifierOutputWithPast(
-            loss=loss, logits=pooled_logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+        for key in ("cache", "use_cache", "shift_labels", "num_items_in_batch"):
+            kwargs.pop(key, None)
+        return local_forward(self, input_ids, labels, group, kwargs)
 
     _CP_HEAD_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": __name__,
                                                         "__qualname__": cls.__qualname__})
     return _CP_HEAD_CLASSES[cls]
 
 
-def check_head_under_context_parallel(model: nn.Module) -> None:
-    """NotImplementedError for a token-classification head (before any change, on every rank)."""
-    if isinstance(model, GenericForTokenClassification):
-        raise NotImplementedError(
-            f"{type(model).__name__} under context parallelism is not supported yet: its per-token labels are not "
-            "shifted, and the Trainer's CP input preparation shifts them. Train it with cp_size 1 (FSDP2, tp)."
-        )
-
-
 def install_context_parallel_head(model: nn.Module, group: dist.ProcessGroup) -> bool:
-    """Give a sequence classifier on a Qwen3.5 backbone the CP forward over `group`; False (nothing
+    """Give a classification head on a Qwen3.5 backbone the CP forward over `group`; False (nothing
     changed) for any other model."""
-    if not isinstance(model, GenericForSequenceClassification):
+    if not isinstance(model, (GenericForSequenceClassification, GenericForTokenClassification)):
         return False
     if type(model) not in _CP_HEAD_CLASSES.values():
         model.__class__ = _context_parallel_class(type(model))

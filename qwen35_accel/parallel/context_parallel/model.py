@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
-from ...model.detect import FAMILIES, Qwen35Parts, is_sequence_classifier, qwen35_parts
+from ...model.detect import FAMILIES, Qwen35Parts, head_backbone, qwen35_parts
 from ...model.fp32_gate import GATED_DELTA_NET_CLASSES, Fp32GateGatedDeltaNet
 from ...model.hub_kernels import swap_class
 from ...model.packing import SEQUENCE_SHARDED_ATTR, document_layout, text_positions
@@ -30,7 +30,7 @@ from ..collectives import all_gather_flat
 from ..losses import VOCAB_GROUP_ATTR, CausalLMLoss
 from .attention import SUPPORTED_ATTENTION, ContextParallelAttention, ContextParallelMoeAttention
 from .documents import DOCUMENTS_KWARG, ShardedDocuments, shard_documents
-from .heads import check_head_under_context_parallel, install_context_parallel_head
+from .heads import install_context_parallel_head
 from .gated_delta_net import ContextParallelGatedDeltaNet, ContextParallelMoeGatedDeltaNet
 from .layout import chunk_owner, unshard_sequence
 from .state_exchange import EXCHANGES
@@ -127,7 +127,7 @@ def _check_inputs(
             "under context parallelism pass `position_ids` holding each local token's global position (the model "
             "would number the local tokens from 0); qwen35_accel.context_parallel.shard_batch adds them."
         )
-    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None and not is_sequence_classifier(module):
+    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None and head_backbone(module) is None:
         raise ValueError(
             "under context parallelism pass `shift_labels` with `labels` (labels cannot be shifted inside a chunk); "
             "qwen35_accel.context_parallel.shard_batch adds them."
@@ -190,8 +190,7 @@ def _check_router_loss(module: nn.Module, args: tuple[Any, ...], kwargs: dict[st
 
 
 def check_context_parallel_supported(model: nn.Module) -> None:
-    """Raise NotImplementedError if `model`'s attention implementation (or its head) cannot run under CP."""
-    check_head_under_context_parallel(model)
+    """Raise NotImplementedError if `model`'s attention implementation cannot run under CP."""
     config = getattr(model.config, "text_config", model.config)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in SUPPORTED_ATTENTION:
@@ -237,7 +236,7 @@ def install_context_parallel(
                 continue
             module._cp_group = group
             converted += 1
-    if not install_context_parallel_head(model, group):  # a sequence classifier keeps its own loss, on whole rows
+    if not install_context_parallel_head(model, group):  # a classification head: its own CP forward and loss
         model.loss_function = CausalLMLoss(cp_group=group, vocab_group=getattr(model, VOCAB_GROUP_ATTR, None))
     model.register_forward_pre_hook(_check_inputs, with_kwargs=True)
     if parts.vision_model is not None:  # images and videos: the tower's work split over the cp ranks

@@ -84,11 +84,11 @@ def _token_classifier_forward(self: nn.Module, input_ids: Any, labels: Any, grou
     loss = None
     if labels is not None:
         targets = labels.reshape(-1).to(logits.device)
-        labelled = targets != IGNORE_INDEX
+        # ignore_index, not a boolean-mask index: no host sync on CUDA.
         local_sum = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float()[labelled], targets[labelled], reduction="sum"
+            logits.reshape(-1, logits.shape[-1]).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum"
         )
-        loss = reduce_token_loss(local_sum, labelled.sum(), None, group)
+        loss = reduce_token_loss(local_sum, (targets != IGNORE_INDEX).sum(), None, group)
     return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 

@@ -40,15 +40,14 @@ from torch import nn
 _CHECKED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def _moe_model(model: nn.Module) -> nn.Module | None:
-    """The Qwen3.5-MoE model inside what the Trainer calls (DDP's `.module`, torch.compile's and
-    PEFT's wrappers looked through; FSDP2 keeps the module itself), or None."""
+def _qwen35_inside(model: nn.Module) -> tuple[nn.Module | None, str | None]:
+    """(the Qwen3.5 model inside what the Trainer calls, its family) — DDP's `.module`, torch.compile's
+    and PEFT's wrappers looked through (FSDP2 keeps the module itself) — or (None, None)."""
     from ..model.detect import qwen35_family, unwrap_qwen35
 
     inner = getattr(model, "module", model)
-    if not isinstance(inner, nn.Module) or qwen35_family(inner) != "moe":
-        return None
-    return unwrap_qwen35(inner)
+    family = qwen35_family(inner) if isinstance(inner, nn.Module) else None
+    return (unwrap_qwen35(inner), family) if family is not None else (None, None)
 
 
 def stock_loss_scale(trainer: Any, num_items_in_batch: Any) -> int:
@@ -77,17 +76,6 @@ def accumulation_divisor(trainer: Any, num_items_in_batch: Any, training: bool) 
     return trainer.current_gradient_accumulation_steps if scaled else 1
 
 
-def _head_model(model: nn.Module) -> nn.Module | None:
-    """The Qwen3.5 classification head inside what the Trainer calls (wrappers looked through), or None."""
-    from ..model.detect import HEAD_CLASSES, qwen35_family, unwrap_qwen35
-
-    inner = getattr(model, "module", model)
-    if not isinstance(inner, nn.Module) or qwen35_family(inner) is None:
-        return None
-    inner = unwrap_qwen35(inner)
-    return inner if isinstance(inner, HEAD_CLASSES) else None
-
-
 def _models_own_loss(trainer: Any, inputs: dict[str, Any]) -> bool:
     """Whether the model's own loss (labels passed to it, no custom loss) is what compute_loss returns."""
     if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
@@ -113,8 +101,11 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                 num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        from ..model.detect import HEAD_CLASSES
+
         own_loss = _models_own_loss(self, inputs)
-        if own_loss and num_items_in_batch is not None and _head_model(model) is not None:
+        inner, family = _qwen35_inside(model) if own_loss else (None, None)
+        if inner is not None and num_items_in_batch is not None and isinstance(inner, HEAD_CLASSES):
             # A classifier's loss is a mean over this rank's rows: no count, no multiplication; the
             # micro-batches averaged (the Trainer will not divide, since a count was made).
             divisor = accumulation_divisor(self, num_items_in_batch, model.training)
@@ -122,7 +113,7 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
             loss, outputs = result if return_outputs else (result, None)
             loss = loss / divisor if divisor != 1 else loss
             return (loss, outputs) if return_outputs else loss
-        if not own_loss or _moe_model(model) is None:
+        if family != "moe":
             return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch,
                             **kwargs)
         recorded: list[torch.Tensor] = []
@@ -153,7 +144,7 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
             _CHECKED.add(self)
             from ..parallel.moe import router_loss_coefficient
 
-            coefficient = router_loss_coefficient(_moe_model(model))
+            coefficient = router_loss_coefficient(inner)
             keep = 1.0 / accumulation_divisor(self, num_items_in_batch, model.training)
             if scale != keep:
                 loss = loss - (scale - keep) * coefficient * aux.to(loss.dtype)

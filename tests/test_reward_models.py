@@ -9,10 +9,13 @@ loss and every gradient, the score head's included (fp32 rtol 1e-5: ranks sum in
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from transformers.modeling_layers import GenericForSequenceClassification
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
 from _dist import run_world
 from _parity import assert_close, assert_grads_match
@@ -32,6 +35,31 @@ def _rows(vocab: int, seed: int) -> dict[str, torch.Tensor]:
         mask[row, :length] = 1
     return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask,
             "labels": torch.randn(ROWS, generator=generator)}
+
+
+def _packed(input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rows as packed rows: no padding, position_ids restarting at a second document in row 0."""
+    position_ids = torch.arange(SEQ).repeat(ROWS, 1)
+    position_ids[0, 10:] = torch.arange(SEQ - 10)
+    return {"input_ids": input_ids.clamp(min=1), "position_ids": position_ids}
+
+
+def test_packed_rows_given_to_a_sequence_classifier_are_refused_with_the_way_out():
+    """One score per row from its last real token: a packed row would be scored by its last document
+    alone against the row's one label (the causal LM and the token classifier take packed rows)."""
+    from qwen35_accel.model.fp32_gate import install_fp32_gate
+    from qwen35_accel.testing.tiny import build_tiny_sequence_classifier, build_tiny_token_classifier
+
+    model = build_tiny_sequence_classifier(seed=0)
+    install_fp32_gate(model)
+    packed = _packed(_rows(model.config.vocab_size, seed=3)["input_ids"])
+    with pytest.raises(ValueError, match=r"position_ids restarting inside a row.* Pad the rows instead"):
+        model(**packed)
+    padded = _rows(model.config.vocab_size, seed=3)  # padded rows with their positions stay accepted
+    assert model(**padded, position_ids=torch.arange(SEQ).repeat(ROWS, 1)).logits.shape == (ROWS, 1)
+    tokens = build_tiny_token_classifier(seed=0)
+    install_fp32_gate(tokens)
+    assert tokens(**packed).logits.shape == (ROWS, SEQ, 3)  # a label per token: documents are fine
 
 
 def test_the_heads_are_qwen35_models_of_their_backbones_family():
@@ -99,6 +127,9 @@ def _cp_worker(rank: int, world: int) -> None:
     assert_close(got.loss.detach(), want.loss.detach(), "loss")
     got.loss.backward()
     assert assert_grads_match(model, reference) > 0
+    packed = shard_batch(_packed(batch["input_ids"]), mesh["cp"])
+    with pytest.raises(ValueError, match=r"packed rows .* given to a sequence classifier .* Pad the rows instead"):
+        model(**packed, labels=labels)  # every rank: the verdict reads the whole rows
     dist.barrier()
 
 
@@ -257,6 +288,138 @@ def test_a_reward_model_under_tensor_parallelism_trains_as_one_process(cp):
     run_world(_tp_worker, 4, cp)
 
 
+class Qwen3_5MoeTextForSequenceClassification(GenericForSequenceClassification, hf_moe.Qwen3_5MoePreTrainedModel):
+    """A reward model on the MoE backbone, built as Transformers builds the dense one (5.25 ships no
+    MoE head class; the name picks Transformers' sequence-classification loss)."""
+
+
+def _moe_ep_worker(rank: int, world: int) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.model.tiny import _built, tiny_moe_text_config
+    from test_cp_model import cp_mesh
+
+    for cp in (1, 2):  # ep 2 over dp 2, then over cp 2 (each expert on one rank, the tokens of both)
+        reference = _built(Qwen3_5MoeTextForSequenceClassification, tiny_moe_text_config(num_labels=1), 0, torch.float32)
+        model = copy.deepcopy(reference)
+        mesh = cp_mesh(world, cp)
+        PARALLELIZER.apply(model, mesh, ep=2)
+        assert model.model.layers[0].mlp.experts.gate_up_proj.to_local().shape[0] == 3  # 6 experts, 3 a rank
+        batch = _rows(reference.config.vocab_size, seed=7)
+        want = reference(**batch)
+        want.loss.backward()
+        if cp > 1:
+            labels = batch.pop("labels")
+            got = model(**shard_batch(batch, mesh["cp"]), labels=labels)
+            assert_close(got.logits.detach(), want.logits.detach(), "scores")
+        else:
+            got = model(**{key: value[2 * rank: 2 * rank + 2] for key, value in batch.items()})
+        got.loss.backward()
+        assert assert_grads_match(model, reference) > 0  # the routers', the experts' and the score's included
+        dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_a_reward_model_on_the_moe_backbone_under_ep2_trains_as_one_process():
+    """Expert parallelism under a sequence classifier on Qwen3.5-MoE, over dp 2 and over cp 2: every
+    gradient equals one process's (the head pools after the experts ran where they live)."""
+    run_world(_moe_ep_worker, 2)
+
+
+def _memory_worker(rank: int, world: int) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import shard_batch
+    from qwen35_accel.parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR
+    from qwen35_accel.parallel.fsdp import describe_units
+    from qwen35_accel.testing.tiny import build_tiny_sequence_classifier
+    from test_cp_model import cp_mesh
+    from test_fsdp_parity import accelerate_style_mesh
+
+    # HSDP (dp_replicate 2: each rank a whole replica, its own rows) with checkpointed layers whose
+    # saved inputs live in host memory; then cp 2 with checkpointed layers.
+    for mesh, offload in ((accelerate_style_mesh(world, dp_replicate=world), True), (cp_mesh(world, world), False)):
+        reference = build_tiny_sequence_classifier(seed=0)
+        model = copy.deepcopy(reference)
+        PARALLELIZER.apply(model, mesh, activation_checkpointing=True, activation_offload=offload)
+        assert "model.layers.0.linear_attn._fp32_params" in {row["unit"] for row in describe_units(model)}
+        batch = _rows(reference.config.vocab_size, seed=8)
+        want = reference(**batch)
+        want.loss.backward()
+        labels = batch.pop("labels")
+        if offload:
+            mine = {key: value[2 * rank: 2 * rank + 2] for key, value in batch.items()}
+            got = model(**mine, labels=labels[2 * rank: 2 * rank + 2])
+        else:
+            got = model(**shard_batch(batch, mesh["cp"]), labels=labels)
+            assert_close(got.loss.detach(), want.loss.detach(), "loss")
+        got.loss.backward()
+        if offload:
+            assert getattr(model, ACTIVATION_OFFLOAD_ATTR).stats.tensors > 0, "no saved input went through the offload hooks"
+        assert assert_grads_match(model, reference) > 0
+        dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_a_reward_model_under_hsdp_and_cp_with_activation_checkpointing_trains_as_one_process():
+    run_world(_memory_worker, 2)
+
+
+def _distributed_config_worker(rank: int, world: int, path: str) -> None:
+    from transformers import AutoModelForSequenceClassification
+    from transformers.distributed import DistributedConfig
+
+    from qwen35_accel.parallel.fsdp import describe_units
+    from test_bf16_load import assert_checkpoint_values, checkpoint_gate_values
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, dtype=torch.bfloat16, distributed_config=DistributedConfig(fsdp_size=world)
+    )
+    units = {row["unit"]: (row["storage"], row["compute"]) for row in describe_units(model)}
+    assert units["model.layers.0.linear_attn._fp32_params"] == ("float32", "float32"), units
+    assert units["model.norm+score"] == ("bfloat16", "bfloat16"), units
+    assert_checkpoint_values(model, checkpoint_gate_values(Path(path)))  # fp32, bitwise: not the load's rounding
+    model(**_rows(model.config.vocab_size, seed=rank)).loss.backward()
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_a_reward_model_sharded_at_load_by_distributed_config_holds_the_checkpoints_fp32_gates(tmp_path):
+    """`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))` in bf16 of an fp32
+    checkpoint: the plugin's units, the gates loaded into fp32 holders with the checkpoint's values."""
+    from test_bf16_load import save_fp32
+    from qwen35_accel.testing.tiny import build_tiny_sequence_classifier
+
+    save_fp32(build_tiny_sequence_classifier, tmp_path)
+    run_world(_distributed_config_worker, 2, str(tmp_path))
+
+
+def test_a_reward_model_prepared_without_fsdp_after_a_bf16_load_trains_the_checkpoints_fp32_gates(tmp_path, capfd):
+    """One process (no FSDP: Accelerate's DDP/one-device path) under bf16 autocast, loaded in bf16 from an
+    fp32 checkpoint: prepared, the gates held in fp32 with the checkpoint's values, fp32 gradients."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForSequenceClassification
+
+    from qwen35_accel import install
+    from qwen35_accel.testing.tiny import build_tiny_sequence_classifier
+    from test_bf16_load import assert_checkpoint_values, save_fp32
+
+    saved = save_fp32(build_tiny_sequence_classifier, tmp_path)
+    install()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(tmp_path, dtype=torch.bfloat16)
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        model = accelerator.prepare(model)
+        assert "Qwen3_5TextForSequenceClassification prepared by qwen35_accel without FSDP" in capfd.readouterr().err
+        assert_checkpoint_values(model, saved)
+        accelerator.backward(model(**_rows(model.config.vocab_size, seed=0)).loss)
+        gates = [p for name, p in model.named_parameters() if name.endswith((".A_log", ".dt_bias"))]
+        assert gates and all(p.grad is not None and p.grad.dtype == torch.float32 for p in gates)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def _bf16_accelerate_worker(rank: int, world: int) -> None:
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -296,8 +459,6 @@ def test_a_reward_model_under_bf16_mixed_precision_keeps_its_gates_fp32():
 # An unchanged Trainer script on the reward model (tests/scripts/reward_model.py), batched per config
 # (tests/_launched.py): one process on 4 rows a step against dp 2 with 2 micro-batches of 1 row (the
 # Trainer's loss scaling) and cp 2 (each rank its chunks of the 4 rows).
-from pathlib import Path  # noqa: E402
-
 from _launched import Run, register  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "reward_model.py"
@@ -314,6 +475,7 @@ def _run(config: str | None, per_device: int, accumulation: int = 1) -> Run:
     return Run(config, SCRIPT, ("{in}", "{out}", str(per_device), str(accumulation)), setup=save_tiny_reward_model)
 
 
+BF16_CONFIG = Path(__file__).parent / "configs" / "cpu_fsdp2_cp2_bf16.yaml"
 TRL_SCRIPT = Path(__file__).parent / "scripts" / "trl_reward.py"
 TOKENIZER = Path(__file__).parent.parent / "recipes" / "configs" / "tokenizer"
 
@@ -347,11 +509,14 @@ def save_tiny_token_classifier(path: Path) -> None:
 register(**{
     "token/reference": Run(None, TOKEN_SCRIPT, ("{in}", "{out}", "4"), setup=save_tiny_token_classifier),
     "token/cp2": Run("cpu_fsdp2_cp2.yaml", TOKEN_SCRIPT, ("{in}", "{out}", "4"), setup=save_tiny_token_classifier),
+    "token/dp2-ga2": Run("cpu_fsdp2.yaml", TOKEN_SCRIPT, ("{in}", "{out}", "1", "2"), setup=save_tiny_token_classifier),
     "reward/trl-reference": _trl_run(None),
     "reward/trl-cp2": _trl_run("cpu_fsdp2_cp2.yaml"),
     "reward/reference": _run(None, 4),
     "reward/dp2-ga2": _run("cpu_fsdp2.yaml", 1, 2),
     "reward/cp2": _run("cpu_fsdp2_cp2.yaml", 4),
+    # A bf16 YAML (cp 2) and a bf16 load of the fp32 checkpoint, as users load Qwen3.5 by default.
+    "reward/bf16-cp2": Run(str(BF16_CONFIG), SCRIPT, ("{in}", "{out}", "4", "1", "bfloat16"), setup=save_tiny_reward_model),
 })
 
 
@@ -375,6 +540,35 @@ def test_the_trainer_trains_a_reward_model_as_one_process(launched, name):
     got, want = (torch.load(r.out / "predictions.pt") for r in (run, reference))
     assert got.shape == want.shape == (8, 1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.launches("reward/bf16-cp2", "reward/reference")
+def test_under_a_bf16_yaml_the_reward_models_gates_compute_and_train_in_fp32_from_the_checkpoint(launched):
+    """The unchanged script, a bf16 load of an fp32 checkpoint, a bf16 cp 2 YAML: prepared with fp32 gate
+    units; the first forward computes from the checkpoint's fp32 gates bitwise (the load rounded them,
+    the plugin read them back); they train and save in fp32. Before: Accelerate refused CP for the
+    model, and under its own FSDP2 path the gates were bf16 in the forward."""
+    from test_bf16_load import checkpoint_gate_values
+
+    from _parity import log_history
+
+    run, reference = launched("reward/bf16-cp2"), launched("reward/reference")
+    lines = [line for line in run.stderr.splitlines() if "prepared by qwen35_accel" in line]
+    assert len(lines) == 1 and PREPARED in lines[0] and "fp32 gate holders" in lines[0], run.stderr[-3000:]
+    assert "read back, bitwise" in run.stderr, run.stderr[-3000:]
+    checkpoint = checkpoint_gate_values(run.inputs)
+    seen = torch.load(run.out / "gates_in_forward.pt")
+    assert set(seen) == set(checkpoint), (sorted(seen), sorted(checkpoint))
+    for key, value in checkpoint.items():
+        assert seen[key].dtype == torch.float32 and torch.equal(seen[key], value), key
+    trained = checkpoint_gate_values(run.out)
+    assert all(trained[key].dtype == torch.float32 for key in checkpoint)
+    assert any(not torch.equal(trained[key], checkpoint[key]) for key in checkpoint)  # trained, in fp32
+    # bf16 compute against the fp32 run: the same training, within bf16's rounding.
+    got, want = ([entry["loss"] for entry in log_history(r.out) if "loss" in entry] for r in (run, reference))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-2, atol=0)
 
 
 @pytest.mark.slow
@@ -427,16 +621,22 @@ def test_trl_grpo_cli_with_a_qwen35_reward_model_under_cp2_logs_what_one_process
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.launches("token/reference", "token/cp2")
-def test_the_trainer_trains_a_token_classifier_under_cp2_as_one_process(launched):
-    """An unchanged Trainer script on `AutoModelForTokenClassification` under cpu_fsdp2_cp2.yaml: the
-    labels sharded where their tokens stand (the Trainer's CP preparation would shift them), the loss
-    over the cp group's labelled tokens; every logged value (loss, grad norm, eval_loss) and the saved
-    weights equal one process's (before: refused, or the labels shifted)."""
+@pytest.mark.parametrize("name", [
+    pytest.param("token/cp2", marks=pytest.mark.launches("token/reference", "token/cp2"), id="cp2"),
+    pytest.param("token/dp2-ga2", marks=pytest.mark.launches("token/reference", "token/dp2-ga2"), id="dp2-ga2"),
+])
+def test_the_trainer_trains_a_token_classifier_as_one_process(launched, name):
+    """An unchanged Trainer script on `AutoModelForTokenClassification` under cpu_fsdp2_cp2.yaml (the
+    labels sharded where their tokens stand: the Trainer's CP preparation would shift them) and under
+    cpu_fsdp2.yaml with 2 micro-batches of 1 row (rows of 4 to 30 labelled tokens: the ranks and
+    micro-batches hold unequal counts); the loss over the step's labelled tokens (the Trainer's count);
+    every logged value (loss, grad norm, eval_loss) and the saved weights equal one process's on 4 rows
+    a step (before: refused under cp; at dp 2 x accumulation 2 the mean of four micro-batch means,
+    times 4)."""
     from _parity import assert_same_log_history
     from test_trainer_launch import weights
 
-    run, reference = launched("token/cp2"), launched("token/reference")
+    run, reference = launched(name), launched("token/reference")
     assert run.stderr.count("Qwen3_5ForTokenClassification prepared by qwen35_accel") == 1, run.stderr[-3000:]
     assert_same_log_history(run.out, reference.out, rtol=1e-5)
     got, want = weights(run.out), weights(reference.out)

@@ -17,9 +17,13 @@ of that kind, and the plugin's `Trainer.compute_loss` point (`trainer_compute_lo
 - **A classification head's loss** (issue 58: reward models, classifiers). Transformers' generic
   heads compute a mean over this rank's rows (tokens) and never read `num_items_in_batch`, yet the
   Trainer counts it for them (their forward takes `**kwargs`) and multiplies: the logged loss and the
-  gradient `num_processes × accumulation` times one process's. The point runs such a call without
-  the count (no multiplication) and divides by the micro-batches: the mean over replicas and
-  micro-batches, one process's when they hold as many rows (tokens).
+  gradient `num_processes × accumulation` times one process's. For a sequence classifier the point
+  runs such a call without the count (no multiplication) and divides by the micro-batches: the mean
+  over replicas and micro-batches, one process's when they hold as many rows. A token classifier's
+  loss takes the count as Transformers' `ForTokenClassification` loss was meant to (the labelled
+  tokens' summed cross entropy over the step's global count, as the causal LM's; under cp the CP
+  forward divides by it itself), and keeps the Trainer's scaling: one process's loss however the
+  labelled tokens fall on the ranks and micro-batches.
 
 TRL's trainers do not go through here (they override `compute_loss` and add the router term each
 their own way, unmultiplied: docs/moe.md); a Trainer subclass that calls `super().compute_loss` does.
@@ -86,6 +90,23 @@ def _models_own_loss(trainer: Any, inputs: dict[str, Any]) -> bool:
     return inputs.get("labels") is not None
 
 
+def _token_classifier_loss(trainer: Any, original: Callable[..., Any], model: nn.Module, inner: nn.Module,
+                           inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any,
+                           kwargs: dict[str, Any]) -> Any:
+    """A token classifier's loss with the Trainer's count (see the module docstring): Transformers'
+    `ForTokenClassification` loss given `num_items_in_batch` (summed over the labelled tokens, divided
+    by the count) times the Trainer's scale. Under cp the CP forward reads the count itself."""
+    from ..parallel.context_parallel.model import context_parallel_mesh
+
+    if context_parallel_mesh(inner) is not None:
+        return original(trainer, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch,
+                        **kwargs)
+    _, outputs = original(trainer, model, inputs, return_outputs=True, num_items_in_batch=None, **kwargs)
+    loss = inner.loss_function(outputs["logits"], inputs["labels"], inner.config, num_items_in_batch=num_items_in_batch)
+    loss = loss * stock_loss_scale(trainer, num_items_in_batch)
+    return (loss, outputs) if return_outputs else loss
+
+
 def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper of `Trainer.compute_loss`: on a Qwen3.5-MoE model whose forward adds the router's
     loss (`aux_loss` in its output), the returned loss carries `coef × aux / accumulation` instead of
@@ -101,10 +122,14 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                 num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        from transformers.modeling_layers import GenericForTokenClassification
+
         from ..model.detect import HEAD_CLASSES
 
         own_loss = _models_own_loss(self, inputs)
         inner, family = _qwen35_inside(model) if own_loss else (None, None)
+        if inner is not None and num_items_in_batch is not None and isinstance(inner, GenericForTokenClassification):
+            return _token_classifier_loss(self, original, model, inner, inputs, return_outputs, num_items_in_batch, kwargs)
         if inner is not None and num_items_in_batch is not None and isinstance(inner, HEAD_CLASSES):
             # A classifier's loss is a mean over this rank's rows: no count, no multiplication; the
             # micro-batches averaged (the Trainer will not divide, since a count was made).

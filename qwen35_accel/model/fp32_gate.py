@@ -36,6 +36,7 @@ from .gate_holder import (  # noqa: F401  (re-exported: the names the package's 
     _gate_state_dict_post_hook,
     transformers_name,
 )
+from .detect import is_sequence_classifier
 from .hub_kernels import swap_class, turn_off_hub_kernels
 from .kernel_functions import kernel_function as _kernel
 from .kernel_functions import varlen_kernel as _varlen_kernel
@@ -374,7 +375,8 @@ def install_fp32_gate(model: nn.Module) -> int:
     (`hub_kernels.turn_off_hub_kernels`: kernelize's forwards would shadow the swapped classes'). The Parameter objects and
     `requires_grad` are preserved. `model.named_parameters()` then reports them under
     their Transformers names (`…linear_attn.A_log`), like `state_dict()`. Each text decoder
-    holding them computes packed rows document by document (`model.packing`).
+    holding them computes packed rows document by document (`model.packing`); a sequence
+    classifier's refuses them (one score per row).
     Idempotent: returns the number of layers converted by this call (0 the second time).
     """
     turn_off_hub_kernels(model)  # before the class swaps: kernelize's instance forwards would outlive them
@@ -406,9 +408,10 @@ def install_fp32_gate(model: nn.Module) -> int:
         restored = restore_checkpoint_gates(model, arrived)
         if restored:  # for the plugin's prepared line
             setattr(model, RESTORED_GATES_ATTR, getattr(model, RESTORED_GATES_ATTR, 0) + restored)
+    one_score_per_row = is_sequence_classifier(model)  # packed rows refused: one score per row
     for module in model.modules():  # every text decoder that holds converted layers
         if isinstance(module, TEXT_MODEL_CLASSES) and any(has_fp32_gate(m) for m in module.modules()):
-            install_packing_hook(module)
+            install_packing_hook(module, one_score_per_row=one_score_per_row)
     if (converted or any(has_fp32_gate(m) for m in model.modules())) and "named_parameters" not in model.__dict__:
         # One naming everywhere: parameter names match state-dict keys and checkpoints
         # (torch.distributed.checkpoint names optimizer state by `named_parameters()`

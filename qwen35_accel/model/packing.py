@@ -21,6 +21,7 @@ starts each document from a zero state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -171,7 +172,19 @@ def _one_document_per_padded_row(position_ids: torch.Tensor | None, attention_ma
     return bool((continues | ~real).all())
 
 
-def _packing_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def refuse_packed_rows_of_a_sequence_classifier(how: str) -> None:
+    """Raise for packed rows (`how` names the form seen) given to a sequence classifier."""
+    raise ValueError(
+        f"packed rows (several documents per row: {how}) given to a sequence classifier (reward model): it scores "
+        "each row from its last real token, so a packed row would get one score, from its last document alone, "
+        "against the row's one label. Pad the rows instead, one sample per row (the Trainer's default collator and "
+        "TRL's RewardTrainer do)."
+    )
+
+
+def _packing_pre_hook(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, one_score_per_row: bool = False
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if module.__dict__.get(SEQUENCE_SHARDED_ATTR):
         return args, kwargs
     tokens = kwargs.get("input_ids")
@@ -192,6 +205,8 @@ def _packing_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     )
     if layout is None or _one_document_per_padded_row(kwargs.get("position_ids"), kwargs.get("attention_mask"), batch):
         return args, kwargs
+    if one_score_per_row:
+        refuse_packed_rows_of_a_sequence_classifier("position_ids restarting inside a row, cu_seq_lens_q or seq_idx")
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         raise NotImplementedError(
             "packed rows (several documents per row) cannot be combined with a cache (generation): a cache holds one "
@@ -215,13 +230,16 @@ def _packing_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     return args, kwargs
 
 
-def install_packing_hook(text_model: nn.Module) -> bool:
-    """Make `text_model` (a `Qwen3_5TextModel`) compute packed rows document by document.
+def install_packing_hook(text_model: nn.Module, *, one_score_per_row: bool = False) -> bool:
+    """Make `text_model` (a `Qwen3_5TextModel`) compute packed rows document by document; with
+    `one_score_per_row` (the backbone of a sequence classifier) refuse them instead
+    (`refuse_packed_rows_of_a_sequence_classifier`).
 
     Idempotent; returns whether the hook was added by this call.
     """
     if text_model.__dict__.get(_HOOKED_ATTR):
         return False
-    text_model.register_forward_pre_hook(_packing_pre_hook, with_kwargs=True)
+    hook = functools.partial(_packing_pre_hook, one_score_per_row=True) if one_score_per_row else _packing_pre_hook
+    text_model.register_forward_pre_hook(hook, with_kwargs=True)
     text_model.__dict__[_HOOKED_ATTR] = True
     return True

@@ -2,8 +2,10 @@
 (num_labels 1) from a saved checkpoint, regression labels, right-padded rows (pad token 0) of 30
 positions, the Trainer's default collator, 4 SGD steps and an evaluation on 8 rows after the last,
 every value in `trainer_state.json`, then `predict` on those 8 rows (the scores in `predictions.pt`).
+DTYPE (default float32) is the load's; `gates_in_forward.pt` (rank 0) holds every `A_log`/`dt_bias` as the
+first training forward computed with it (read where the parameter lives, after FSDP2 gathered it).
 
-    [accelerate launch --config_file …] tests/scripts/reward_model.py MODEL_DIR OUTPUT_DIR PER_DEVICE [ACCUMULATION]
+    [accelerate launch --config_file …] tests/scripts/reward_model.py MODEL_DIR OUTPUT_DIR PER_DEVICE [ACCUMULATION [DTYPE]]
 
 30 is no multiple of 2·cp: under cp the plugin pads each batch (with the pad token, so the head still
 pools the last real token).
@@ -12,7 +14,7 @@ pools the last real token).
 import sys
 
 import torch
-from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
+from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
 LENGTH = 30
 
@@ -28,8 +30,34 @@ def rows(vocab: int, count: int = 64) -> list[dict]:
     return out
 
 
-def main(model_dir: str, out: str, per_device: int, accumulation: int) -> None:
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
+class GatesInForward(TrainerCallback):
+    """A test's instrument, not a user's: a pre-hook on each module holding `A_log` (Transformers'
+    GatedDeltaNet, or the plugin's fp32 holder) records the gates its first forward reads."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.seen = path, {}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        for name, module in model.named_modules():
+            if "A_log" in module._parameters:
+                layer = name.removesuffix("._fp32_params").removeprefix("_orig_mod.")
+                module.register_forward_pre_hook(lambda module, _args, layer=layer: self.record(layer, module))
+
+    def record(self, layer: str, module: torch.nn.Module) -> None:
+        if f"{layer}.A_log" in self.seen:
+            return
+        for key in ("A_log", "dt_bias"):
+            self.seen[f"{layer}.{key}"] = getattr(module, key).detach().clone()
+        if state_is_main() and len(self.seen) == 2 * sum(key.endswith("A_log") for key in self.seen):
+            torch.save(self.seen, self.path)
+
+
+def state_is_main() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def main(model_dir: str, out: str, per_device: int, accumulation: int, dtype: str) -> None:
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, max_steps=4,
         optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
@@ -37,7 +65,8 @@ def main(model_dir: str, out: str, per_device: int, accumulation: int) -> None:
         per_device_eval_batch_size=per_device,
     )
     data = rows(model.config.vocab_size)
-    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8])
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8],
+                      callbacks=[GatesInForward(f"{out}/gates_in_forward.pt")])
     trainer.train()
     trainer.save_model(out)
     trainer.save_state()
@@ -47,4 +76,5 @@ def main(model_dir: str, out: str, per_device: int, accumulation: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 1)
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 1,
+         sys.argv[5] if len(sys.argv) > 5 else "float32")

@@ -1,9 +1,9 @@
 """A token classifier trained with the plain Trainer, as a user writes it: `AutoModelForTokenClassification`
 (3 labels) from a saved checkpoint, rows of 30 positions right-padded with the pad token 0, a label per
-real token (-100 on padding), the Trainer's default collator, 2 SGD steps and an evaluation on 8 rows,
-every value in `trainer_state.json` and the weights saved.
+real token (-100 on padding), the Trainer's default collator, 2 SGD steps and an evaluation on 8 rows (its
+global batch the training's), every value in `trainer_state.json` and the weights saved.
 
-    [accelerate launch --config_file …] tests/scripts/token_classifier.py MODEL_DIR OUTPUT_DIR PER_DEVICE
+    [accelerate launch --config_file …] tests/scripts/token_classifier.py MODEL_DIR OUTPUT_DIR PER_DEVICE [ACCUMULATION]
 """
 
 import sys
@@ -26,12 +26,12 @@ def rows(count: int = 64) -> list[dict]:
     return out
 
 
-def main(model_dir: str, out: str, per_device: int) -> None:
+def main(model_dir: str, out: str, per_device: int, accumulation: int) -> None:
     model = AutoModelForTokenClassification.from_pretrained(model_dir, dtype=torch.float32)
     args = TrainingArguments(
-        output_dir=out, per_device_train_batch_size=per_device, max_steps=2, optim="sgd", learning_rate=0.3,
+        output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, max_steps=2, optim="sgd", learning_rate=0.3,
         lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", seed=0,
-        dataloader_drop_last=True, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=per_device,
+        dataloader_drop_last=True, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=per_device * accumulation,
     )
     data = rows()
     trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8])
@@ -41,4 +41,4 @@ def main(model_dir: str, out: str, per_device: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 1)

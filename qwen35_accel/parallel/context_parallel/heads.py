@@ -12,9 +12,10 @@ loss is (`losses.reduce_token_loss`): FSDP2's average over dp_shard × cp then g
 
 A token classifier (`Qwen3_5ForTokenClassification`) labels every token where it stands: its labels
 are sharded with the tokens, unshifted (the Trainer's CP preparation would shift them as a causal LM's:
-the plugin hands them to it as `shift_labels`, already in place), and its cross entropy is reduced over
-the cp group as the causal LM's (`losses.reduce_token_loss`: the group's mean over labelled tokens on
-every rank, each rank's gradient its share scaled for FSDP2's average). Its `logits` are this rank's
+the plugin hands them to it as `shift_labels`, already in place), and its cross entropy is reduced as
+the causal LM's (`losses.reduce_token_loss`): over the Trainer's `num_items_in_batch` when given (the
+Trainer's scaling and FSDP2's average make the rest), else the cp group's mean over labelled tokens on
+every rank, each rank's gradient its share scaled for FSDP2's average. Its `logits` are this rank's
 chunks'.
 """
 
@@ -76,9 +77,12 @@ def _sequence_classifier_forward(self: nn.Module, input_ids: Any, labels: Any, g
     )
 
 
-def _token_classifier_forward(self: nn.Module, input_ids: Any, labels: Any, group: Any, kwargs: dict[str, Any]) -> Any:
+def _token_classifier_forward(
+    self: nn.Module, input_ids: Any, labels: Any, group: Any, kwargs: dict[str, Any], num_items_in_batch: Any = None
+) -> Any:
     """`GenericForTokenClassification.forward` on this rank's chunks; `labels` `[batch, local seq]`
-    (sharded with the tokens, unshifted, -100 ignored): the cross entropy over the cp group's tokens."""
+    (sharded with the tokens, unshifted, -100 ignored): the cross entropy over the Trainer's count
+    `num_items_in_batch`, or over the cp group's labelled tokens."""
     outputs = getattr(self, self.base_model_prefix)(input_ids, use_cache=False, **kwargs)
     logits = self.score(self.dropout(outputs.last_hidden_state))
     loss = None
@@ -88,7 +92,7 @@ def _token_classifier_forward(self: nn.Module, input_ids: Any, labels: Any, grou
         local_sum = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum"
         )
-        loss = reduce_token_loss(local_sum, (targets != IGNORE_INDEX).sum(), None, group)
+        loss = reduce_token_loss(local_sum, (targets != IGNORE_INDEX).sum(), num_items_in_batch, group)
     return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
@@ -108,8 +112,11 @@ def _context_parallel_class(cls: type) -> type:
         if args:
             kwargs["input_ids"] = args[0]
         input_ids, labels = kwargs.pop("input_ids", None), kwargs.pop("labels", None)
-        for key in ("cache", "use_cache", "shift_labels", "num_items_in_batch"):
+        count = kwargs.pop("num_items_in_batch", None)
+        for key in ("cache", "use_cache", "shift_labels"):
             kwargs.pop(key, None)
+        if local_forward is _token_classifier_forward:
+            return local_forward(self, input_ids, labels, group, kwargs, num_items_in_batch=count)
         return local_forward(self, input_ids, labels, group, kwargs)
 
     _CP_HEAD_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": __name__,

@@ -18,13 +18,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
 from ...model.detect import FAMILIES, Qwen35Parts, head_backbone, qwen35_parts
 from ...model.fp32_gate import GATED_DELTA_NET_CLASSES, Fp32GateGatedDeltaNet
 from ...model.hub_kernels import swap_class
-from ...model.packing import SEQUENCE_SHARDED_ATTR, document_layout, text_positions
+from ...model.packing import (
+    SEQUENCE_SHARDED_ATTR,
+    document_layout,
+    refuse_packed_rows_of_a_sequence_classifier,
+    text_positions,
+)
 from ...ops.causal_conv import fla_conv_kernel, select_conv_kernel
 from ..collectives import all_gather_flat
 from ..losses import VOCAB_GROUP_ATTR, CausalLMLoss
@@ -151,6 +157,8 @@ def _check_inputs(
             "multimodal RoPE positions Transformers computes run across a whole row, not per document. Pad the rows "
             "instead of packing them (one sample per row), or pack text-only data."
         )
+    if documents is not None and isinstance(module, GenericForSequenceClassification):  # every rank: whole rows
+        refuse_packed_rows_of_a_sequence_classifier("position_ids restarting inside a row, cu_seq_lens_* or seq_idx")
     for key in _PACKING_KWARGS:  # whole-row forms: the layers read `documents`
         kwargs.pop(key, None)
     if documents is not None:

@@ -8,6 +8,7 @@ the single-process Transformers model.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import warnings
 
@@ -34,6 +35,29 @@ def test_settings_defaults_env_and_errors():
         PluginSettings.from_env({"QWEN35_ACCEL_CPU_FSDP": "maybe"})
     with pytest.raises(ValueError, match=r"unknown setting\(s\) \['QWEN35_ACCEL_CPUFSDP'\]; qwen35_accel reads \[.*'QWEN35_ACCEL_CPU_FSDP'"):
         PluginSettings.from_env({"QWEN35_ACCEL_CPUFSDP": "1"}, strict=True)
+    # The kernel selection's Triton knob, which the interpreted-kernel tests set, is a declared setting: a
+    # preparation with it set does not refuse it as unknown.
+    from qwen35_accel.ops.kernels import TRITON_ON_CPU_VARIABLE
+
+    assert PluginSettings.from_env({TRITON_ON_CPU_VARIABLE: "1"}, strict=True).triton_on_cpu is True
+
+
+def test_every_variable_the_package_names_is_a_declared_setting():
+    """A `QWEN35_ACCEL_*` name written anywhere in the package is one `PluginSettings` declares (and
+    docs/configuration.md lists, test_docs): no knob read behind the settings' back."""
+    import re
+    from pathlib import Path
+
+    import qwen35_accel
+    from qwen35_accel.integrations.settings import PluginSettings
+
+    declared = {PluginSettings.env_name(field.name) for field in dataclasses.fields(PluginSettings)}
+    named = {
+        name
+        for path in Path(qwen35_accel.__file__).parent.rglob("*.py")
+        for name in re.findall(r"[\"'](QWEN35_ACCEL(?:_[A-Z0-9_]+)?)[\"']", path.read_text())
+    }
+    assert "QWEN35_ACCEL_TRITON_ON_CPU" in named and named <= declared, sorted(named - declared)
 
 
 def test_tiled_loss_setting_takes_its_modes_and_its_former_boolean_spellings():

@@ -110,6 +110,11 @@ class PluginSettings:
     ignore_versions: bool = _knob(
         False, "1: an unsupported torch/transformers/accelerate version warns at import instead of raising"
     )
+    triton_on_cpu: bool = _knob(
+        False,
+        "for tests: with TRITON_INTERPRET=1, CPU tensors go to FLA's Triton kernels through Triton's interpreter "
+        "(read by the kernel selection, ops/kernels.py: TRITON_ON_CPU_VARIABLE)",
+    )
 
     @staticmethod
     def env_name(field: str) -> str:

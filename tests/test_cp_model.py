@@ -179,6 +179,16 @@ def _cp_bad_input_worker(rank: int, world: int) -> None:
         model(input_ids=ids, position_ids=local(packed), cu_seq_lens_q=cu)
     with pytest.raises(ValueError, match=r"cu_seq_lens_q must start at 0 and end at .* \(2 x 16 = 32\)"):  # a sharded one
         model(input_ids=ids, position_ids=local(packed), cu_seq_lens_q=torch.tensor([0, 8, 16], dtype=torch.int32))
+    # Each rank its own batch (a framework's sampler splitting by process, not by data-parallel rank): right-padded
+    # rows of other lengths on each rank (44 and 36: the Trainer's padding to 2·cp of 41 and 34 tokens). Named as
+    # what it is on every rank, not as left padding.
+    length = 44 if rank == 0 else 36
+    mine = torch.ones(2, length, dtype=torch.long)
+    mine[:, length - 3:] = 0
+    own = {"input_ids": random_batch(2, length, model.config.vocab_size, seed=rank)["input_ids"],
+           "position_ids": torch.arange(length).expand(2, length), "attention_mask": mine}
+    with pytest.raises(ValueError, match=r"were given different batches \(local lengths \[22, 18\] on its ranks 0..1, 2 rows"):
+        model(**{key: shard_sequence(value, world, rank) for key, value in own.items()})
     # And the good case still runs after the refusals (no collective was left pending).
     right = torch.ones(2, 16, dtype=torch.long)
     right[1, 13:] = 0

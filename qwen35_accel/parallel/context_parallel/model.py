@@ -53,23 +53,35 @@ _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length
 def _padding_violation(attention_mask: torch.Tensor, group: dist.ProcessGroup) -> bool:
     """Whether a padded token precedes a real one (left padding or holes) anywhere in the
     cp group's sequence. Each rank summarises its two chunks (a local violation, first and
-    last mask value of each); one small all-gather lets every rank check the chunk
-    boundaries too, so all ranks reach the same verdict (none raises alone and leaves the
-    others waiting)."""
+    last mask value of each, its local length); one small all-gather lets every rank check the
+    chunk boundaries too, so all ranks reach the same verdict (none raises alone and leaves the
+    others waiting). ValueError on every rank when the ranks' local lengths differ: they were
+    given different batches, not chunks of the same rows."""
     cp = dist.get_world_size(group)
     rows = attention_mask.shape[0]
     mask = attention_mask.long()
     summary = torch.zeros(rows, 2, 3, dtype=torch.long, device=mask.device)  # per chunk: bad, first, last
     summary[:, 0, 0] = (mask[:, 1:] > mask[:, :-1]).any(dim=1).long()
+    summary[:, 1, 0] = mask.shape[1]  # the local length, compared across the ranks
     for slot, half in enumerate(mask.chunk(2, dim=1)):
         summary[:, slot, 1], summary[:, slot, 2] = half[:, 0], half[:, -1]
     gathered = torch.empty(cp * rows, 2, 3, dtype=summary.dtype, device=mask.device)
     all_gather_flat(gathered, summary, group=group)
     gathered = gathered.view(cp, rows, 2, 3)
+    lengths = gathered[:, 0, 1, 0]
     chunks = [gathered[owner, :, slot] for owner, slot in (chunk_owner(c, cp) for c in range(2 * cp))]  # sequence order
     # A token after padding across a chunk boundary too; one host sync for all of it.
     across = torch.stack([(b[:, 1] > a[:, 2]) for a, b in zip(chunks, chunks[1:])])
-    return bool(gathered[..., 0].any() | across.any())
+    differ, bad = torch.stack([(lengths != lengths[0]).any(), gathered[..., 0, 0].any() | across.any()]).tolist()
+    if differ:
+        raise ValueError(
+            f"the ranks of a cp group were given different batches (local lengths {lengths.tolist()} on its ranks "
+            f"0..{cp - 1}, {rows} rows each): under context parallelism every rank of a cp group holds its chunks "
+            "of the same rows. Give the ranks of a cp group the same batch (Accelerate's prepared dataloader does; a "
+            "framework's own sampler must split the data by data-parallel rank, not by process), then shard it "
+            "(the Trainer's CP preparation, or qwen35_accel.context_parallel.shard_batch)."
+        )
+    return bool(bad)
 
 
 def _sharded_documents(

@@ -42,6 +42,22 @@ def test_settings_defaults_env_and_errors():
     assert PluginSettings.from_env({TRITON_ON_CPU_VARIABLE: "1"}, strict=True).triton_on_cpu is True
 
 
+def test_the_prepared_line_names_the_mixed_precision_in_effect_and_a_script_that_overrode_the_launch_config():
+    """ms-swift sets fp16=True by default: its units then compute in fp16 while the YAML says 'no'."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from qwen35_accel.integrations.preparation import mixed_precision_note
+
+    fp16 = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    note = mixed_precision_note("fp16", fp16, {"ACCELERATE_MIXED_PRECISION": "no"})
+    assert note == ("mixed precision: fp16 (units compute in float16, reduce in float32; gate holders fp32), set by the "
+                    "script (TrainingArguments fp16/bf16 or Accelerator(mixed_precision=...)) over the launch config's 'no'")
+    assert mixed_precision_note("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16), {"ACCELERATE_MIXED_PRECISION": "bf16"}) == (
+        "mixed precision: bf16 (units compute in bfloat16, reduce in bfloat16; gate holders fp32)")
+    assert mixed_precision_note("no", MixedPrecisionPolicy(), {}) == (
+        "mixed precision: no (units compute in their storage dtype, reduce in their storage dtype; gate holders fp32)")
+
+
 def test_every_variable_the_package_names_is_a_declared_setting():
     """A `QWEN35_ACCEL_*` name written anywhere in the package is one `PluginSettings` declares (and
     docs/configuration.md lists, test_docs): no knob read behind the settings' back."""

@@ -557,6 +557,8 @@ def test_under_a_bf16_yaml_the_reward_models_gates_compute_and_train_in_fp32_fro
     run, reference = launched("reward/bf16-cp2"), launched("reward/reference")
     lines = [line for line in run.stderr.splitlines() if "prepared by qwen35_accel" in line]
     assert len(lines) == 1 and PREPARED in lines[0] and "fp32 gate holders" in lines[0], run.stderr[-3000:]
+    assert "mixed precision: bf16 (units compute in bfloat16, reduce in" in lines[0], lines[0]  # the YAML's: no source named
+    assert "set by the script" not in lines[0] and "loss: the sequence classifier's" in lines[0], lines[0]
     assert "read back, bitwise" in run.stderr, run.stderr[-3000:]
     checkpoint = checkpoint_gate_values(run.inputs)
     seen = torch.load(run.out / "gates_in_forward.pt")

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -211,6 +212,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         f"{type(getattr(model, '_orig_mod', model)).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
         f"{_experts_note(model)}"
+        f"{mixed_precision_note(accelerator.mixed_precision, options.mp_policy)}, "
         f"activation checkpointing: {checkpointing}, loss: {loss_in_effect(model)}, "
         f"GatedDeltaNet kernels: {run_summary(accelerator.device)}{_hub_kernels_note(model)}"
         f"{compiled}"
@@ -237,11 +239,33 @@ def _hub_kernels_note(model: nn.Module) -> str:
     return f", Transformers' Hub kernels (kernelize): off, its forwards would run instead of qwen35_accel's layers{had}"
 
 
+def mixed_precision_note(mixed_precision: str, policy: Any, environ: Mapping[str, str] | None = None) -> str:
+    """For the prepared line: the mixed precision in effect (the Accelerator's), what the units compute
+    and reduce in (`policy`: FSDP2's `MixedPrecisionPolicy`), and where it came from when that is not the
+    launch config: a script's `TrainingArguments(fp16=True)` / `bf16=True` or `Accelerator(mixed_precision=...)`
+    overrides `ACCELERATE_MIXED_PRECISION`, which `accelerate launch` sets from the YAML (`environ`,
+    default `os.environ`)."""
+    environ = os.environ if environ is None else environ
+    param = getattr(policy, "param_dtype", None)
+    reduce = getattr(policy, "reduce_dtype", None) or param
+    param_name, reduce_name = (str(d).removeprefix("torch.") if d is not None else "their storage dtype" for d in (param, reduce))
+    note = f"mixed precision: {mixed_precision} (units compute in {param_name}, reduce in {reduce_name}; gate holders fp32)"
+    launched = environ.get("ACCELERATE_MIXED_PRECISION")
+    if launched is not None and launched.lower() != str(mixed_precision).lower():
+        note += (f", set by the script (TrainingArguments fp16/bf16 or Accelerator(mixed_precision=...)) over the "
+                 f"launch config's {launched!r}")
+    return note
+
+
 def loss_in_effect(model: nn.Module) -> str:
     """The training loss's path, for the prepared line."""
-    from ..model.detect import unwrap_qwen35
+    from ..model.detect import is_sequence_classifier, is_token_classifier, unwrap_qwen35
     from ..parallel.tiled_loss import tiled_loss_mode
 
+    if is_sequence_classifier(model):
+        return "the sequence classifier's (Transformers', on each row's last real token)"
+    if is_token_classifier(model):
+        return "the token classifier's (Transformers', over the step's labelled tokens)"
     mode = tiled_loss_mode(unwrap_qwen35(model))
     if mode != "off":
         return f"tiled, {mode} (training forwards return no logits; QWEN35_ACCEL_TILED_LOSS=off for Transformers')"

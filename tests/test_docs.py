@@ -111,6 +111,25 @@ def test_configuration_page_lists_every_setting_with_its_default():
     assert documented == declared
 
 
+def test_the_layout_page_names_every_module_in_its_folders_entry():
+    """docs/layout.md is the map of the package: each module is named (`name.py`) in its folder's
+    entry (a top-level module in the first entry), so a new module cannot go unmapped."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    entries = re.split(r"\n- ", text)
+    folders = {m.group(1): entry for entry in entries if (m := re.match(r"`(\w+)/`", entry))}
+    top = next(entry for entry in entries if entry.startswith("`parallelization.py`"))
+    package = ROOT / "qwen35_accel"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package)
+        if path.name == "__init__.py" or "__pycache__" in relative.parts:
+            continue
+        entry = top if len(relative.parts) == 1 else folders.get(relative.parts[0], "")
+        if f"`{path.name}`" not in entry:
+            missing.append(str(relative))
+    assert not missing, f"docs/layout.md does not name these modules in their folder's entry: {missing}"
+
+
 def test_ci_runs_the_readme_test_command():
     """A newcomer's first test run is CI's: the same command, taken from the README's set-up block."""
     setup = _FENCE.findall(README.read_text())[0]

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.mesh import has_dim
+from ..parallel.mesh import has_dim, sub_mesh
 from .targets import prepared_qwen35
 from .trl_trainers import trl_trainer
 
@@ -55,10 +55,10 @@ def _data_parallel_group(accelerator: Any) -> Any:
     shared = 1
     for name in ("cp", "tp"):
         if has_dim(mesh, name):
-            shared *= mesh[name].size()
+            shared *= sub_mesh(mesh, name).size()
     if shared == 1:
         return _STOCK
-    return mesh["dp"].get_group() if has_dim(mesh, "dp") else None
+    return sub_mesh(mesh, "dp").get_group() if has_dim(mesh, "dp") else None
 
 
 def gather_over_data_parallel(data: Any, group: dist.ProcessGroup | None, use_gather_object: bool) -> Any:

@@ -3,8 +3,9 @@
 Accelerate's `ParallelismConfig` builds a mesh with dims `dp_replicate`, `dp_shard`, `cp`,
 `tp` (those of size > 1) and flattened dims `dp`, `dp_shard_cp`, `dp_cp`; custom loops
 build their own. `ParallelDims` answers, for the names the parallelizer uses, whether the
-mesh has the dim, its size and its sub-mesh, using only `DeviceMesh`'s public indexing
-(a flattened dim is found by `mesh[name]`, as a user would).
+mesh has the dim, its size and its sub-mesh (`sub_mesh`). A flattened dim is taken from where
+torch keeps it (the root mesh's record of its flattened meshes), not sliced by name from the root:
+torch deprecates that ("Slicing a flattened dim from root mesh will be deprecated").
 """
 
 from __future__ import annotations
@@ -19,15 +20,31 @@ from torch.distributed.device_mesh import DeviceMesh
 ACCELERATE_FLATTENED_DIMS: tuple[str, ...] = ("dp", "dp_shard_cp", "dp_cp")
 
 
+def _flattened(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
+    """The 1-D mesh flattened under `name` from `mesh`'s root (`mesh[dims]._flatten(name)`), or None."""
+    root = mesh._get_root_mesh()
+    if name in (mesh.mesh_dim_names or ()) or mesh is not root:  # torch resolves flattened dims from the root only
+        return None
+    return getattr(root, "_flatten_mapping", {}).get(name)
+
+
+def sub_mesh(mesh: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
+    """`mesh[names]`, where a name may also be a dim flattened from `mesh`'s root (Accelerate's
+    `dp_shard_cp`, `dp`, `dp_cp`): that one is the flattened mesh torch keeps, and a tuple holding one
+    is concatenated from the parts (HSDP's (`dp_replicate`, `dp_shard_cp`)). KeyError for a name the
+    mesh does not have."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    parts = [_flattened(mesh, name) for name in names]
+    if all(part is None for part in parts):
+        return mesh[names if len(names) > 1 else names[0]]
+    if len(names) == 1:
+        return parts[0]
+    return DeviceMesh._concatenate([part if part is not None else mesh[name] for name, part in zip(names, parts)])
+
+
 def has_dim(mesh: DeviceMesh, name: str) -> bool:
-    """Whether `mesh[name]` resolves: one of its own dims or one flattened from its root."""
-    if name in (mesh.mesh_dim_names or ()):
-        return True
-    try:
-        mesh[name]
-    except (KeyError, RuntimeError, ValueError):
-        return False
-    return True
+    """Whether `sub_mesh(mesh, name)` resolves: one of its own dims or one flattened from its root."""
+    return name in (mesh.mesh_dim_names or ()) or _flattened(mesh, name) is not None
 
 
 def mesh_dim_names(mesh: DeviceMesh, extra: tuple[str, ...] = ()) -> list[str]:
@@ -41,7 +58,7 @@ def mesh_dim_names(mesh: DeviceMesh, extra: tuple[str, ...] = ()) -> list[str]:
 
 def mesh_dim_size(mesh: DeviceMesh, name: str) -> int:
     """Size of the named dim; 1 if the mesh has no such dim."""
-    return mesh[name].size() if has_dim(mesh, name) else 1
+    return sub_mesh(mesh, name).size() if has_dim(mesh, name) else 1
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -103,13 +120,13 @@ class ParallelDims:
     @property
     def fsdp(self) -> DeviceMesh:
         if self.dp_replicate > 1:
-            return self.mesh[(self.dp_replicate_name, self.dp_shard_cp_name)]
-        return self.mesh[self.dp_shard_cp_name]
+            return sub_mesh(self.mesh, (self.dp_replicate_name, self.dp_shard_cp_name))
+        return sub_mesh(self.mesh, self.dp_shard_cp_name)
 
     @property
     def cp(self) -> DeviceMesh | None:
-        return self.mesh[self.cp_name] if self.cp_size > 1 else None
+        return sub_mesh(self.mesh, self.cp_name) if self.cp_size > 1 else None
 
     @property
     def tp(self) -> DeviceMesh | None:
-        return self.mesh[self.tp_name] if self.tp_size > 1 else None
+        return sub_mesh(self.mesh, self.tp_name) if self.tp_size > 1 else None

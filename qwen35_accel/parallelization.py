@@ -74,11 +74,39 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+@dataclasses.dataclass
+class Preparation:
+    """What one `PARALLELIZER.apply` call works on, handed to each step of the pipeline in order:
+    the model as passed (`model`: a PEFT wrapper stays outside) and the Qwen3.5 model inside it
+    (`base`), its parts (located once), the mesh's dims and the FSDP2 mesh, the options; and what
+    the steps made (`converted`: layers given an fp32 gate holder; `expert_mesh` under EP)."""
+
+    model: nn.Module
+    base: nn.Module
+    parts: Qwen35Parts
+    dims: ParallelDims
+    fsdp_mesh: DeviceMesh
+    options: ParallelOptions
+    converted: int = 0
+    expert_mesh: ExpertMesh | None = None
+
+    @property
+    def global_balance(self) -> bool:
+        """The MoE router's balance over the global batch (dense models have no router)."""
+        return self.options.moe_balance == "global" and self.parts.family == "moe"
+
+
 class Qwen3_5ModelParallelizer:
     """Applies qwen35-accel's parallelism to a Qwen3.5 model (dense or MoE), in place."""
 
     # Submodules (by last name) whose parameters compute in fp32 whatever the policy.
     fp32_compute_module_names: tuple[str, ...] = (HOLDER_NAME,)
+
+    # The pipeline: every step `apply` runs, in order (each a method below, taking the `Preparation`).
+    pipeline: tuple[str, ...] = (
+        "validate", "gate_holders", "expert_parallel", "tensor_parallel", "loss", "activation_checkpointing",
+        "fsdp2", "vision_placeholder", "context_parallel", "global_balance",
+    )
 
     def apply(
         self,
@@ -89,135 +117,118 @@ class Qwen3_5ModelParallelizer:
         options: ParallelOptions | None = None,
         **keywords: Any,
     ) -> nn.Module:
-        """Parallelize `model` over `device_mesh` and return it (the same object).
+        """Parallelize `model` over `device_mesh` and return it (the same object): the steps of
+        `pipeline` in order — checks of every choice before any change, fp32 gate holders
+        (`install_fp32_gate`), EP, head-parallel TP (build the optimizer afterwards), the tiled
+        loss, activation checkpointing (and offload), dtype-uniform FSDP2 units over `dp_shard_cp`
+        (HSDP with a `dp_replicate` dim of size > 1), the vision placeholder, CP (the model then
+        expects each rank's part of the batch: `qwen35_accel.context_parallel.shard_batch`), the
+        MoE router's global balance.
 
-        `options` (`ParallelOptions`, default: its defaults) holds every choice below; keyword
-        arguments of the same names build it, or change the given one's fields (TypeError for a
-        name it lacks): `mp_policy`, `offload_policy`, `activation_checkpointing`,
-        `activation_offload`, `reshard_after_forward`, `enable_fsdp2_prefetch`,
-        `fsdp2_backward_prefetch_depth`, `fsdp2_forward_prefetch_depth`,
-        `frozen_multimodal_sharding`, `dp_replicate_mesh_name`, `cp_mesh_name`, `tp_mesh_name`,
-        `fp32_holder_units`, `vocab_parallel_lm_head`, `cp_state_exchange`, `tiled_loss`,
-        `moe_balance`, `ep`.
+        `options` (`ParallelOptions`, whose docstring gives each field's meaning; default: its
+        defaults) holds every choice; keyword arguments of its field names build it, or change the
+        given one's fields (TypeError for a name it lacks).
 
-        Steps: fp32 gate holders (`install_fp32_gate`), TP (tp > 1: head-parallel
-        `apply_tensor_parallel` on the `tp` dim; build the optimizer afterwards), activation
-        checkpointing per decoder layer and, when the vision tower trains, per vision block
-        (`checkpoint_targets`; with `activation_offload` their saved inputs live in host memory
-        between forward and backward, `parallel.activation_offload`: the model's
-        `_qwen35_activation_offload` counts what moved), dtype-uniform FSDP2 units (`apply_fsdp_sharding`)
-        over `dp_shard_cp`, then CP (cp > 1: `install_context_parallel` on the `cp` dim;
-        the model then expects each rank's part of the batch, see
-        `qwen35_accel.context_parallel.shard_batch`).
-
-        `vocab_parallel_lm_head=True` (tp > 1): the lm_head is split by vocab too and the
-        loss combines the slices (`apply_vocab_parallel_lm_head`): `logits` then hold this
-        rank's vocab slice. Needs untied embeddings and tp dividing the vocab size.
-        `cp_state_exchange` (cp > 1): "allgather", "scan" or "auto", how the GatedDeltaNet
-        layers pass chunk summaries across the cp ranks (`install_context_parallel`).
-        VLMs whose vision blocks become FSDP2 units (a trainable tower, or frozen with
-        `frozen_multimodal_sharding="shard"`) run the tower on a zero placeholder image in
-        forwards without images or videos, its output added times zero, so ranks with and
-        without images issue the same collectives (`install_vision_placeholder`).
-        `tiled_loss` "recompute" (or True) or "hold" (`Qwen3_5ForCausalLM` and the VLM): training
-        forwards with labels compute the lm_head and the loss in blocks of tokens and vocab
-        rows and return `logits=None` (`install_tiled_loss`; "recompute" keeps the hidden
-        states and recomputes the blocks in backward; "hold" holds the gradients, a
-        weight-sized one among them, from forward); other forwards keep Transformers' logits.
-        "off" (or False): Transformers' loss.
-        `moe_balance` (Qwen3.5-MoE, `output_router_logits`): "rank" — the router's
-        load-balancing loss over each data-parallel rank's tokens (Transformers' meaning; whole
-        rows under cp); "global" — over the global batch (its sums all-reduced over dp_shard ×
-        cp, in the tiled training loss; not with HSDP). Dense models ignore it.
-        `ep` (Qwen3.5-MoE): expert parallelism, each of `ep` ranks holding `num_experts / ep`
-        whole experts per layer and tokens exchanged by all-to-all; the ep groups are carved
-        out of dp_shard × cp (consecutive ranks), the ranks holding the same experts shard them
-        with FSDP2 (`parallel.expert_parallel`). `ep` must divide the experts and dp_shard × cp
-        (ValueError with the numbers); 1: every rank holds every expert.
-
-        Preconditions: `torch.distributed` is initialised; `model` is a Qwen3.5 model, dense or
-        MoE (TypeError otherwise),
-        possibly inside a PEFT LoRA wrapper, not yet sharded; `device_mesh` has a dim (own or
-        flattened) named `dp_shard_cp_mesh_name` (ValueError otherwise). The
-        `dp_replicate`, `cp` and `tp` dims are optional (absent = size 1); a replicate
-        dim of size > 1 gives HSDP over (`dp_replicate`, `dp_shard_cp`).
+        Preconditions: `torch.distributed` is initialised; `model` is a Qwen3.5 model, dense or MoE
+        (TypeError otherwise), possibly inside a PEFT LoRA wrapper (which stays the outer module and
+        becomes the root unit, as in stock Accelerate), not yet sharded; `device_mesh` has a dim (own
+        or flattened) named `dp_shard_cp_mesh_name` (ValueError otherwise); the `dp_replicate`, `cp`
+        and `tp` dims are optional (absent = size 1).
         """
         opts = dataclasses.replace(options or ParallelOptions(), **keywords).checked()
-        parts = qwen35_parts(model, families=FAMILIES)  # TypeError for anything but Qwen3.5; computed once, handed down
-        # A PEFT wrapper (LoRA) stays the outer module and becomes the root unit, as in stock
-        # Accelerate; every model-level step acts on the Qwen3.5 model inside it.
-        base = unwrap_qwen35(model)
+        parts = qwen35_parts(model, families=FAMILIES)  # TypeError for anything but Qwen3.5; located once, handed down
         if isinstance(model, FSDPModule):
             raise ValueError(f"{type(model).__name__} is already sharded by FSDP2; apply the parallelizer once, to the unsharded model.")
         dims = ParallelDims(device_mesh, opts.dp_replicate_mesh_name, dp_shard_cp_mesh_name, opts.cp_mesh_name, opts.tp_mesh_name)
-        tp_size, cp_size = dims.tp_size, dims.cp_size
-        check_expert_parallel(parts, ep=opts.ep, data_ranks=dims.size(dims.dp_shard_cp_name), dp_replicate=dims.dp_replicate,
-                              tp_size=tp_size)
-        check_no_expert_adapters(parts.moe_blocks)
-        global_balance = opts.moe_balance == "global" and parts.family == "moe"  # dense models have no router
-        if global_balance:
-            check_global_balance(dp_replicate=dims.dp_replicate)
-        check_no_cpu_offload(opts.offload_policy, tp_size)  # before any change, on every rank
-        if tp_size > 1:
-            check_tp_divisible(base.config.get_text_config(), tp_size)
-            if opts.vocab_parallel_lm_head:
-                check_vocab_parallel(base, tp_size, parts=parts)
-        if cp_size > 1:
-            check_context_parallel_supported(base)
-        fsdp_mesh = dims.fsdp
-
-        converted = install_fp32_gate(model)  # the outer module too: one parameter naming from the root down
-        # Under tp, ep splits each tp rank's experts over the dense FSDP2 mesh (`expert_tensor_parallel`).
-        expert_mesh = build_expert_mesh(dims, opts.ep) if opts.ep > 1 and dims.tp is None else None
-        if expert_mesh is not None:
-            install_expert_parallel(parts, expert_mesh)
-        if dims.tp is not None:
-            apply_tensor_parallel(base, dims.tp, parts=parts, ep_mesh=fsdp_mesh if opts.ep > 1 else None,
-                                  expert_compute_dtype=opts.mp_policy.param_dtype if opts.mp_policy else None)
-            if opts.vocab_parallel_lm_head:
-                apply_vocab_parallel_lm_head(base, dims.tp, parts=parts)
-        if opts.tiled_loss != "off":  # before FSDP2, whose class swap then subclasses this one
-            install_tiled_loss(base, mode=opts.tiled_loss)
-        if opts.activation_checkpointing:
-            offload = ActivationOffload() if opts.activation_offload else None
-            apply_activation_checkpointing(checkpoint_targets(parts), offload)
-            if offload is not None:
-                setattr(model, ACTIVATION_OFFLOAD_ATTR, offload)
-        self.apply_fsdp_sharding(
-            model,
-            fsdp_mesh,
-            opts.mp_policy,
-            offload_policy=opts.offload_policy,
-            enable_fsdp2_prefetch=opts.enable_fsdp2_prefetch,
-            fsdp2_backward_prefetch_depth=opts.fsdp2_backward_prefetch_depth,
-            fsdp2_forward_prefetch_depth=opts.fsdp2_forward_prefetch_depth,
-            reshard_after_forward=opts.reshard_after_forward,
-            frozen_multimodal_sharding=opts.frozen_multimodal_sharding,
-            fp32_holder_units=opts.fp32_holder_units,
-            parts=parts,
-            expert_mesh=expert_mesh,
-        )
-        if vision_tower_has_units(parts.vision_model):
-            # Vision blocks with FSDP2 units need every rank in every forward, images or not.
-            install_vision_placeholder(base)
-        if dims.cp is not None:
-            install_context_parallel(base, dims.cp, state_exchange=opts.cp_state_exchange, parts=parts)
-        if global_balance:
-            install_global_balance(base, fsdp_mesh)
+        prep = Preparation(model=model, base=unwrap_qwen35(model), parts=parts, dims=dims, fsdp_mesh=dims.fsdp, options=opts)
+        for step in self.pipeline:
+            getattr(self, step)(prep)
         logger.info(
             "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s, "
             "cp: %d, tp: %d, ep: %d, tiled loss: %s)",
-            type(model).__name__,
-            fsdp_mesh,
-            converted,
+            type(model).__name__, prep.fsdp_mesh, prep.converted,
             (describe_checkpoint_targets(parts) + (", saved inputs in host memory" if opts.activation_offload else ""))
             if opts.activation_checkpointing else "off",
-            cp_size,
-            tp_size,
-            opts.ep,
-            tiled_loss_mode(base),
+            dims.cp_size, dims.tp_size, opts.ep, tiled_loss_mode(prep.base),
         )
         return model
+
+    def validate(self, prep: Preparation) -> None:
+        """Every check of the choices against the model and the mesh, on every rank, before any change."""
+        parts, dims, opts, base = prep.parts, prep.dims, prep.options, prep.base
+        check_expert_parallel(parts, ep=opts.ep, data_ranks=dims.size(dims.dp_shard_cp_name), dp_replicate=dims.dp_replicate,
+                              tp_size=dims.tp_size)
+        check_no_expert_adapters(parts.moe_blocks)
+        if prep.global_balance:
+            check_global_balance(dp_replicate=dims.dp_replicate)
+        check_no_cpu_offload(opts.offload_policy, dims.tp_size)
+        if dims.tp_size > 1:
+            check_tp_divisible(base.config.get_text_config(), dims.tp_size)
+            if opts.vocab_parallel_lm_head:
+                check_vocab_parallel(base, dims.tp_size, parts=parts)
+        if dims.cp_size > 1:
+            check_context_parallel_supported(base)
+
+    def gate_holders(self, prep: Preparation) -> None:
+        """Each GatedDeltaNet's `A_log`/`dt_bias` into an fp32 holder (the outer module too: one
+        parameter naming from the root down)."""
+        prep.converted = install_fp32_gate(prep.model)
+
+    def expert_parallel(self, prep: Preparation) -> None:
+        """EP without tp (under tp, `tensor_parallel` splits each tp rank's experts over the FSDP2 mesh)."""
+        if prep.options.ep > 1 and prep.dims.tp is None:
+            prep.expert_mesh = build_expert_mesh(prep.dims, prep.options.ep)
+            install_expert_parallel(prep.parts, prep.expert_mesh)
+
+    def tensor_parallel(self, prep: Preparation) -> None:
+        """Head-parallel decoder layers over the `tp` dim, and the vocab-parallel lm_head if chosen."""
+        tp, opts = prep.dims.tp, prep.options
+        if tp is None:
+            return
+        apply_tensor_parallel(prep.base, tp, parts=prep.parts, ep_mesh=prep.fsdp_mesh if opts.ep > 1 else None,
+                              expert_compute_dtype=opts.mp_policy.param_dtype if opts.mp_policy else None)
+        if opts.vocab_parallel_lm_head:
+            apply_vocab_parallel_lm_head(prep.base, tp, parts=prep.parts)
+
+    def loss(self, prep: Preparation) -> None:
+        """The tiled training loss (before FSDP2, whose class swap then subclasses this one)."""
+        if prep.options.tiled_loss != "off":
+            install_tiled_loss(prep.base, mode=prep.options.tiled_loss)
+
+    def activation_checkpointing(self, prep: Preparation) -> None:
+        """Checkpointed decoder layers (and trained vision blocks), their saved inputs offloaded if chosen."""
+        if not prep.options.activation_checkpointing:
+            return
+        offload = ActivationOffload() if prep.options.activation_offload else None
+        apply_activation_checkpointing(checkpoint_targets(prep.parts), offload)
+        if offload is not None:
+            setattr(prep.model, ACTIVATION_OFFLOAD_ATTR, offload)
+
+    def fsdp2(self, prep: Preparation) -> None:
+        """Dtype-uniform FSDP2 units over the FSDP mesh (`apply_fsdp_sharding`)."""
+        opts = prep.options
+        self.apply_fsdp_sharding(
+            prep.model, prep.fsdp_mesh, opts.mp_policy, offload_policy=opts.offload_policy,
+            enable_fsdp2_prefetch=opts.enable_fsdp2_prefetch, fsdp2_backward_prefetch_depth=opts.fsdp2_backward_prefetch_depth,
+            fsdp2_forward_prefetch_depth=opts.fsdp2_forward_prefetch_depth, reshard_after_forward=opts.reshard_after_forward,
+            frozen_multimodal_sharding=opts.frozen_multimodal_sharding, fp32_holder_units=opts.fp32_holder_units,
+            parts=prep.parts, expert_mesh=prep.expert_mesh,
+        )
+
+    def vision_placeholder(self, prep: Preparation) -> None:
+        """Vision blocks with FSDP2 units need every rank in every forward, images or not."""
+        if vision_tower_has_units(prep.parts.vision_model):
+            install_vision_placeholder(prep.base)
+
+    def context_parallel(self, prep: Preparation) -> None:
+        """CP layers, loss and input checks over the `cp` dim."""
+        if prep.dims.cp is not None:
+            install_context_parallel(prep.base, prep.dims.cp, state_exchange=prep.options.cp_state_exchange, parts=prep.parts)
+
+    def global_balance(self, prep: Preparation) -> None:
+        """The MoE router's load-balancing sums over dp_shard × cp (`moe_balance="global"`)."""
+        if prep.global_balance:
+            install_global_balance(prep.base, prep.fsdp_mesh)
 
     def apply_fsdp_sharding(
         self,
@@ -270,68 +281,14 @@ class Qwen3_5ModelParallelizer:
             fp32_compute_module_names=self.fp32_compute_module_names,
         )
         ignored: set[nn.Parameter] = ignored_multimodal_params if ignored_multimodal_params is not None else set()
-
-        shared_holder_unit: FSDPModule | None = None
-        if fp32_holder_units == "model":
-            holders = [
-                sub
-                for layer in parts.decoder_layers
-                for name, sub in layer.named_modules()
-                if name.rsplit(".", 1)[-1] in self.fp32_compute_module_names and any(True for _ in sub.parameters())
-            ]
-            if holders:  # fully_shard_by_dtype below leaves these (already FSDP) alone
-                shard_unit(holders, mesh=mesh, mp_policy=fp32_compute_policy(policy), reshard_after_forward=False,
-                           offload_policy=offload_policy or OffloadPolicy())
-                shared_holder_unit = holders[0]
-
-        # Experts held by ep x tp stay out of FSDP2 (their DTensors over `mesh` are the split already).
-        held = {p for block in parts.moe_blocks if hasattr(block.experts, HELD_ATTR) for p in block.experts.parameters()}
-        split = [block.experts for block in parts.moe_blocks
-                 if isinstance(block.experts.gate_up_proj, DTensor) and not hasattr(block.experts, HELD_ATTR)]
-        if split:  # by ep (over the ranks holding the same experts) or tp (over the dp ranks)
-            shard_experts(
-                split,
-                expert_mesh.fsdp if expert_mesh is not None else mesh,
-                mp_policy=policy,
-                offload_policy=offload_policy,
-                reshard_after_forward=reshard_after_forward,
-                divide_by=expert_mesh.data_ranks if expert_mesh is not None else None,
-            )
+        shared_holder_unit = self._shard_holders_as_one_unit(parts, mesh, policy, offload_policy) if fp32_holder_units == "model" else None
+        held = _shard_split_experts(parts, mesh, policy, offload_policy, reshard_after_forward, expert_mesh)
         layer_units = [
             fully_shard_by_dtype(layer, reshard_after_forward=reshard_after_forward, ignored_params=held, **common)
             for layer in parts.decoder_layers
         ]
-
-        if parts.vision_model is not None:
-            if vision_tower_trains(parts) or frozen_multimodal_sharding == "shard":
-                for block in parts.vision_blocks:
-                    fully_shard_by_dtype(block, reshard_after_forward=reshard_after_forward, **common)
-            elif frozen_multimodal_sharding == "replicate":
-                device = mesh_device(mesh)
-                for p in parts.vision_model.parameters():
-                    if p.device.type != "meta" and p.device != device:
-                        p.data = p.data.to(device)
-                    ignored.add(p)
-
-        lm_head_weight = getattr(parts.lm_head, "weight", None)
-        tied = lm_head_weight is not None and lm_head_weight is parts.embed_tokens.weight
-        if not tied:
-            fully_shard_by_dtype(parts.embed_tokens, reshard_after_forward=reshard_after_forward, **common)
-        # The tail runs last in forward and first in backward: resharding it after
-        # forward would only add an all-gather that nothing can hide.
-        head = parts.lm_head if parts.lm_head is not None else parts.head  # a classifier's score: the tail too
-        tail = [m for m in ((parts.embed_tokens,) if tied else ()) + (parts.final_norm, head) if m is not None]
-        tail_dtypes = {p.dtype for m in tail for p in m.parameters() if p.requires_grad}
-        if len(tail_dtypes) <= 1:
-            shard_unit(tail, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload_policy or OffloadPolicy())
-        elif not tied:  # e.g. an fp32 final norm beside a bf16 lm_head: one unit each
-            for m in tail:
-                fully_shard_by_dtype(m, reshard_after_forward=False, **common)
-        else:
-            raise ValueError(
-                f"the tied embedding/lm_head and the final norm hold trainable parameters of dtypes {sorted(map(str, tail_dtypes))}; "
-                "they must share one FSDP2 unit, which needs one dtype. Cast the final norm to the embedding's dtype."
-            )
+        _shard_vision_tower(parts, frozen_multimodal_sharding, ignored, reshard_after_forward, common)
+        head = _shard_embedding_and_tail(parts, reshard_after_forward, common)
         # Root: FSDP2's default (None) keeps the root gathered after forward.
         fully_shard_by_dtype(module, reshard_after_forward=None, ignored_params=ignored | held, **common)
 
@@ -348,6 +305,86 @@ class Qwen3_5ModelParallelizer:
             )
         if set_async_unshard_on_cpu(module, mesh.device_type):
             logger.debug("CPU mesh: FSDP2 all-gathers are asynchronous (prefetches overlap compute)")
+
+    def _shard_holders_as_one_unit(self, parts: Qwen35Parts, mesh: DeviceMesh, policy: MixedPrecisionPolicy,
+                                   offload_policy: OffloadPolicy | None) -> FSDPModule | None:
+        """`fp32_holder_units="model"`: every decoder layer's gate holders in one fp32 unit, kept
+        gathered after forward (`fully_shard_by_dtype` then leaves them alone); None without holders."""
+        holders = [
+            sub
+            for layer in parts.decoder_layers
+            for name, sub in layer.named_modules()
+            if name.rsplit(".", 1)[-1] in self.fp32_compute_module_names and any(True for _ in sub.parameters())
+        ]
+        if not holders:
+            return None
+        shard_unit(holders, mesh=mesh, mp_policy=fp32_compute_policy(policy), reshard_after_forward=False,
+                   offload_policy=offload_policy or OffloadPolicy())
+        return holders[0]
+
+
+def _shard_split_experts(parts: Qwen35Parts, mesh: DeviceMesh, policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy | None,
+                         reshard_after_forward: bool | int | None, expert_mesh: ExpertMesh | None) -> set[nn.Parameter]:
+    """Routed experts split by ep (over the ranks holding the same experts) or tp (over the dp ranks):
+    a unit of their own per layer. Returns the parameters of the experts held by ep × tp, which stay
+    out of FSDP2 (their DTensors over `mesh` are the split already)."""
+    held = {p for block in parts.moe_blocks if hasattr(block.experts, HELD_ATTR) for p in block.experts.parameters()}
+    split = [block.experts for block in parts.moe_blocks
+             if isinstance(block.experts.gate_up_proj, DTensor) and not hasattr(block.experts, HELD_ATTR)]
+    if split:
+        shard_experts(
+            split,
+            expert_mesh.fsdp if expert_mesh is not None else mesh,
+            mp_policy=policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard_after_forward,
+            divide_by=expert_mesh.data_ranks if expert_mesh is not None else None,
+        )
+    return held
+
+
+def _shard_vision_tower(parts: Qwen35Parts, frozen_multimodal_sharding: FrozenMultimodalSharding, ignored: set[nn.Parameter],
+                        reshard_after_forward: bool | int | None, common: dict[str, Any]) -> None:
+    """A VLM's vision blocks: one unit each when the tower trains or `frozen_multimodal_sharding` is
+    "shard"; "replicate": not sharded (added to `ignored`, moved to the mesh's device); "root": left
+    to the root unit."""
+    if parts.vision_model is None:
+        return
+    if vision_tower_trains(parts) or frozen_multimodal_sharding == "shard":
+        for block in parts.vision_blocks:
+            fully_shard_by_dtype(block, reshard_after_forward=reshard_after_forward, **common)
+    elif frozen_multimodal_sharding == "replicate":
+        device = mesh_device(common["mesh"])
+        for p in parts.vision_model.parameters():
+            if p.device.type != "meta" and p.device != device:
+                p.data = p.data.to(device)
+            ignored.add(p)
+
+
+def _shard_embedding_and_tail(parts: Qwen35Parts, reshard_after_forward: bool | int | None, common: dict[str, Any]) -> nn.Module | None:
+    """The input embedding's unit and the tail's (final norm + lm_head or a classifier's score, kept
+    gathered after forward: it runs last in forward and first in backward, so resharding would only
+    add an all-gather nothing can hide). Tied embeddings join the tail, so exactly one unit owns the
+    shared weight. Returns the head (lm_head or score)."""
+    lm_head_weight = getattr(parts.lm_head, "weight", None)
+    tied = lm_head_weight is not None and lm_head_weight is parts.embed_tokens.weight
+    if not tied:
+        fully_shard_by_dtype(parts.embed_tokens, reshard_after_forward=reshard_after_forward, **common)
+    head = parts.lm_head if parts.lm_head is not None else parts.head
+    tail = [m for m in ((parts.embed_tokens,) if tied else ()) + (parts.final_norm, head) if m is not None]
+    tail_dtypes = {p.dtype for m in tail for p in m.parameters() if p.requires_grad}
+    if len(tail_dtypes) <= 1:
+        shard_unit(tail, mesh=common["mesh"], reshard_after_forward=False, mp_policy=common["mp_policy"],
+                   offload_policy=common["offload_policy"] or OffloadPolicy())
+    elif not tied:  # e.g. an fp32 final norm beside a bf16 lm_head: one unit each
+        for m in tail:
+            fully_shard_by_dtype(m, reshard_after_forward=False, **common)
+    else:
+        raise ValueError(
+            f"the tied embedding/lm_head and the final norm hold trainable parameters of dtypes {sorted(map(str, tail_dtypes))}; "
+            "they must share one FSDP2 unit, which needs one dtype. Cast the final norm to the embedding's dtype."
+        )
+    return head
 
 
 def _unit_of(module: nn.Module | None) -> FSDPModule | None:

@@ -46,7 +46,7 @@ def test_the_prepared_line_names_the_mixed_precision_in_effect_and_a_script_that
     """ms-swift sets fp16=True by default: its units then compute in fp16 while the YAML says 'no'."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from qwen35_accel.integrations.preparation import mixed_precision_note
+    from qwen35_accel.integrations.prepared_line import mixed_precision_note
 
     fp16 = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     note = mixed_precision_note("fp16", fp16, {"ACCELERATE_MIXED_PRECISION": "no"})

@@ -428,6 +428,7 @@ def test_parallel_options_are_one_object_built_by_the_keywords_or_the_settings()
     options = ParallelOptions.from_settings(settings, activation_checkpointing=True)
     assert (options.ep, options.tiled_loss, options.cp_state_exchange, options.moe_balance, options.activation_checkpointing) == (
         4, "hold", "scan", "global", True)
-    # Every field of the options is a keyword `apply` documents.
-    doc = PARALLELIZER.apply.__doc__
+    # Every field of the options is documented where they are declared, and `apply` points there.
+    doc = ParallelOptions.__doc__
     assert all(f"`{field.name}`" in doc for field in dataclasses.fields(ParallelOptions))
+    assert "`ParallelOptions`" in PARALLELIZER.apply.__doc__

@@ -201,3 +201,20 @@ def test_no_module_of_the_package_is_over_450_lines():
     assert len(sizes) > 20 and max(sizes.values()) > 100  # the files are read
     over = [f"{path}: {lines} lines" for path, lines in sizes.items() if lines > MODULE_MAX_LINES]
     assert not over, f"modules over {MODULE_MAX_LINES} lines (split them by concern):\n" + "\n".join(over)
+
+
+def test_no_function_is_longer_than_80_lines_and_apply_is_its_pipeline():
+    """The package's functions stay readable (docstrings included), and `PARALLELIZER.apply` is the
+    list of its steps (`pipeline`), each a method of the parallelizer (issue 59)."""
+    import inspect
+
+    from qwen35_accel import PARALLELIZER
+
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
+    assert len(inspect.getsource(type(PARALLELIZER).apply).splitlines()) < 60
+    assert all(callable(getattr(PARALLELIZER, step)) for step in PARALLELIZER.pipeline)

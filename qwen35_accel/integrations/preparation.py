@@ -10,10 +10,10 @@ replaces. `prepare_model` holds the gates in fp32 where no FSDP runs (one proces
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 
 from .compilation import compile_prepared, take_over_compile
 from .notices import main_process_note
+from .prepared_line import experts_note, hub_kernels_note, loss_in_effect, mixed_precision_note
 from .settings import PluginSettings, check_same_on_every_rank
 from .targets import is_plugin_fsdp2_module, is_qwen35_module, the_model
 
@@ -122,7 +123,8 @@ def _fsdp_mesh(accelerator: Any) -> Any:
 
 
 def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = False) -> nn.Module:
-    """Accelerate's `fsdp2_prepare_model`, for a dense Qwen3.5 model: our parallelizer.
+    """Accelerate's `fsdp2_prepare_model`, for a Qwen3.5 model: our parallelizer, its options
+    translated from Accelerate's FSDP plugin and the plugin's settings.
 
     Follows Accelerate where it decides things for every model: trainable parameters are
     upcast to fp32 when `mixed_precision != "no"` (the gate holders are fp32 anyway), unless
@@ -131,11 +133,12 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     with `cpu_ram_efficient_loading`, rank 0's weights are broadcast into the sharded
     model after sharding on the meta device.
     """
-    from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict, get_non_persistent_buffers
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-    from ..parallel.tensor_parallel import check_no_cpu_offload
+    from ..model.detect import FAMILIES, qwen35_parts
+    from ..ops.kernels import run_summary
     from ..parallel.options import ParallelOptions
+    from ..parallel.tensor_parallel import check_no_cpu_offload
     from ..parallelization import PARALLELIZER, mesh_dim_size
 
     model, compile_kwargs = take_over_compile(accelerator, model)
@@ -145,30 +148,16 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     check_same_on_every_rank(settings)  # before any collective that a setting chooses
     plugin = accelerator.state.fsdp_plugin
     if accelerator.mixed_precision != "no" and not frozen:
-        for param in model.parameters():
-            if param.requires_grad and param.dtype != torch.float32:
-                param.data = param.data.to(torch.float32)
-
-    ram_efficient = bool(plugin.cpu_ram_efficient_loading)
+        _upcast_trainable(model)
     mesh = _fsdp_mesh(accelerator)
-    offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
-    tensor_parallel = mesh_dim_size(mesh, "tp") > 1
-    if tensor_parallel and settings.vocab_parallel_lm_head:
+    tp = mesh_dim_size(mesh, "tp")
+    if tp > 1 and settings.vocab_parallel_lm_head:
         from ..model.detect import unwrap_qwen35
         from .trl_fused_head import check_no_unwrapped_trl_head
 
         check_no_unwrapped_trl_head(unwrap_qwen35(model))
-    check_no_cpu_offload(plugin.cpu_offload, mesh_dim_size(mesh, "tp"))  # before the meta move below
-    if ram_efficient:
-        original_sd = model.state_dict()
-        buffer_fqns = get_non_persistent_buffers(model, recurse=True, fqns=True)
-        non_persistent = {k: v.clone() for k, v in model.named_buffers() if k in buffer_fqns}
-        model = model.to(torch.device("meta"))
-        if hasattr(model, "tie_weights"):
-            model.tie_weights()
-
-    from ..model.detect import FAMILIES, qwen35_parts
-
+    check_no_cpu_offload(plugin.cpu_offload, tp)  # before the meta move below
+    loading = _RamEfficientLoading.begin(model) if plugin.cpu_ram_efficient_loading else None
     parts = qwen35_parts(model, families=FAMILIES)  # module references: valid through sharding and the meta move
     checkpointing, ours, activation_offload = _one_activation_checkpointing(
         parts, bool(plugin.activation_checkpointing), bool(getattr(plugin, "activation_checkpointing_offload", False))
@@ -182,94 +171,73 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         reshard_after_forward=plugin.reshard_after_forward,
     )
     PARALLELIZER.apply(model, mesh, "dp_shard_cp", options=options)
+    if loading is not None:
+        loading.finish(accelerator, model, tensor_parallel=tp > 1)
+    if tp > 1:
+        from ..parallel.tensor_parallel.clipping import check_one_gradient_mesh
 
-    if ram_efficient:
+        check_one_gradient_mesh(model)
+    model._qwen35_accel_prepared = True
+    cp = mesh_dim_size(mesh, "cp")
+    compiled = compile_prepared(parts, compile_kwargs, context_parallel=cp > 1, compiled_whole=hasattr(model, "_orig_mod"))
+    main_process_note(
+        f"{type(getattr(model, '_orig_mod', model)).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
+        f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={tp}, "
+        f"{experts_note(model)}"
+        f"{mixed_precision_note(accelerator.mixed_precision, options.mp_policy)}, "
+        f"activation checkpointing: {checkpointing}, loss: {loss_in_effect(model)}, "
+        f"GatedDeltaNet kernels: {run_summary(accelerator.device)}{hub_kernels_note(model)}"
+        f"{compiled}"
+    )
+    return model
+
+
+def _upcast_trainable(model: nn.Module) -> None:
+    """Accelerate's rule under mixed precision: trainable parameters stored in fp32 (master weights)."""
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)
+
+
+@dataclasses.dataclass
+class _RamEfficientLoading:
+    """Accelerate's `cpu_ram_efficient_loading`: the model moved to the meta device before sharding
+    (`begin`), rank 0's weights broadcast into the sharded model after it (`finish`)."""
+
+    state_dict: dict[str, torch.Tensor]
+    non_persistent: dict[str, torch.Tensor]
+
+    @classmethod
+    def begin(cls, model: nn.Module) -> _RamEfficientLoading:
+        from accelerate.utils.fsdp_utils import get_non_persistent_buffers
+
+        state_dict = model.state_dict()
+        buffer_fqns = get_non_persistent_buffers(model, recurse=True, fqns=True)
+        non_persistent = {k: v.clone() for k, v in model.named_buffers() if k in buffer_fqns}
+        model.to(torch.device("meta"))
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        return cls(state_dict, non_persistent)
+
+    def finish(self, accelerator: Any, model: nn.Module, *, tensor_parallel: bool) -> None:
+        from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
         if tensor_parallel:
             # Accelerate's loader copies full tensors into the per-head slices; ours
             # broadcasts rank 0's weights and each rank keeps its slice of its shard.
             from ..parallel.tensor_parallel import load_full_state_dict
 
             model.to_empty(device=accelerator.device)
-            load_full_state_dict(model, original_sd if accelerator.is_main_process else None)
+            load_full_state_dict(model, self.state_dict if accelerator.is_main_process else None)
         else:
-            fsdp2_load_full_state_dict(accelerator, model, original_sd, cpu_offload=offload)
-        for fqn, buffer in non_persistent.items():
+            offload = isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy)
+            fsdp2_load_full_state_dict(accelerator, model, self.state_dict, cpu_offload=offload)
+        for fqn, buffer in self.non_persistent.items():
             parent, _, name = fqn.rpartition(".")
             (model.get_submodule(parent) if parent else model).register_buffer(name, buffer.to(accelerator.device), persistent=False)
         if hasattr(model, "tie_weights"):
             model.tie_weights()
-
-    if tensor_parallel:
-        from ..parallel.tensor_parallel.clipping import check_one_gradient_mesh
-
-        check_one_gradient_mesh(model)
-    model._qwen35_accel_prepared = True
-    cp = mesh_dim_size(mesh, "cp")
-    from ..ops.kernels import run_summary
-
-    compiled = compile_prepared(parts, compile_kwargs, context_parallel=cp > 1, compiled_whole=hasattr(model, "_orig_mod"))
-    main_process_note(
-        f"{type(getattr(model, '_orig_mod', model)).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
-        f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={mesh_dim_size(mesh, 'tp')}, "
-        f"{_experts_note(model)}"
-        f"{mixed_precision_note(accelerator.mixed_precision, options.mp_policy)}, "
-        f"activation checkpointing: {checkpointing}, loss: {loss_in_effect(model)}, "
-        f"GatedDeltaNet kernels: {run_summary(accelerator.device)}{_hub_kernels_note(model)}"
-        f"{compiled}"
-    )
-    return model
-
-
-def _experts_note(model: nn.Module) -> str:
-    """For the prepared line: where a MoE model's routed experts live."""
-    from ..model.detect import qwen35_family, unwrap_qwen35
-    from ..parallel.expert_parallel import describe_experts
-
-    return f"{describe_experts(unwrap_qwen35(model))}, " if qwen35_family(model) == "moe" else ""
-
-
-def _hub_kernels_note(model: nn.Module) -> str:
-    """For the prepared line: that Transformers' kernelize was turned off, and what it had replaced."""
-    from ..model.hub_kernels import HUB_KERNELS_ATTR
-
-    replaced = getattr(model, HUB_KERNELS_ATTR, None)
-    if replaced is None:
-        return ""
-    had = f"; it had replaced {', '.join(replaced)}" if replaced else ""
-    return f", Transformers' Hub kernels (kernelize): off, its forwards would run instead of qwen35_accel's layers{had}"
-
-
-def mixed_precision_note(mixed_precision: str, policy: Any, environ: Mapping[str, str] | None = None) -> str:
-    """For the prepared line: the mixed precision in effect (the Accelerator's), what the units compute
-    and reduce in (`policy`: FSDP2's `MixedPrecisionPolicy`), and where it came from when that is not the
-    launch config: a script's `TrainingArguments(fp16=True)` / `bf16=True` or `Accelerator(mixed_precision=...)`
-    overrides `ACCELERATE_MIXED_PRECISION`, which `accelerate launch` sets from the YAML (`environ`,
-    default `os.environ`)."""
-    environ = os.environ if environ is None else environ
-    param = getattr(policy, "param_dtype", None)
-    reduce = getattr(policy, "reduce_dtype", None) or param
-    param_name, reduce_name = (str(d).removeprefix("torch.") if d is not None else "their storage dtype" for d in (param, reduce))
-    note = f"mixed precision: {mixed_precision} (units compute in {param_name}, reduce in {reduce_name}; gate holders fp32)"
-    launched = environ.get("ACCELERATE_MIXED_PRECISION")
-    if launched is not None and launched.lower() != str(mixed_precision).lower():
-        note += (f", set by the script (TrainingArguments fp16/bf16 or Accelerator(mixed_precision=...)) over the "
-                 f"launch config's {launched!r}")
-    return note
-
-
-def loss_in_effect(model: nn.Module) -> str:
-    """The training loss's path, for the prepared line."""
-    from ..model.detect import is_sequence_classifier, is_token_classifier, unwrap_qwen35
-    from ..parallel.tiled_loss import tiled_loss_mode
-
-    if is_sequence_classifier(model):
-        return "the sequence classifier's (Transformers', on each row's last real token)"
-    if is_token_classifier(model):
-        return "the token classifier's (Transformers', over the step's labelled tokens)"
-    mode = tiled_loss_mode(unwrap_qwen35(model))
-    if mode != "off":
-        return f"tiled, {mode} (training forwards return no logits; QWEN35_ACCEL_TILED_LOSS=off for Transformers')"
-    return "Transformers' (whole logits)"
 
 
 def _one_activation_checkpointing(parts: Qwen35Parts, ours: bool, accelerate_offload: bool = False) -> tuple[str, bool, bool]:

@@ -25,7 +25,7 @@ def _flattened(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
     root = mesh._get_root_mesh()
     if name in (mesh.mesh_dim_names or ()) or mesh is not root:  # torch resolves flattened dims from the root only
         return None
-    return getattr(root, "_flatten_mapping", {}).get(name)
+    return getattr(root, "_flatten_mapping", {}).get(name)  # torch 2.11-2.15 keep them there
 
 
 def sub_mesh(mesh: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
@@ -39,7 +39,10 @@ def sub_mesh(mesh: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
         return mesh[names if len(names) > 1 else names[0]]
     if len(names) == 1:
         return parts[0]
-    return DeviceMesh._concatenate([part if part is not None else mesh[name] for name, part in zip(names, parts)])
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is None:  # a torch without it: the (deprecated) slice of the root
+        return mesh[names]
+    return concatenate([part if part is not None else mesh[name] for name, part in zip(names, parts)])
 
 
 def has_dim(mesh: DeviceMesh, name: str) -> bool:

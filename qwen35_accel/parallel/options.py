@@ -31,9 +31,39 @@ _SETTING_NAMES = {"enable_fsdp2_prefetch": "fsdp2_prefetch"}
 
 @dataclasses.dataclass(frozen=True)
 class ParallelOptions:
-    """How `PARALLELIZER.apply` parallelizes a Qwen3.5 model (see its docstring for each field's
-    meaning). `checked()` validates the choices and normalises `tiled_loss` (True / False are
-    "recompute" / "off")."""
+    """How `PARALLELIZER.apply` parallelizes a Qwen3.5 model. `checked()` validates the choices and
+    normalises `tiled_loss` (True / False are "recompute" / "off"). The fields:
+
+    - `mp_policy`, `offload_policy`, `reshard_after_forward`: FSDP2's, for the layers' units (the fp32
+      gate holders compute in fp32 whatever `mp_policy` says).
+    - `activation_checkpointing`: each decoder layer and, when the vision tower trains, each vision
+      block (`checkpoint_targets`); `activation_offload` (needs it): their saved inputs live in host
+      memory between forward and backward (`parallel.activation_offload`; the model's
+      `_qwen35_activation_offload` counts what moved).
+    - `enable_fsdp2_prefetch`, `fsdp2_forward_prefetch_depth`, `fsdp2_backward_prefetch_depth`:
+      explicit prefetch of the units in layer order, embedding to tail.
+    - `frozen_multimodal_sharding`: a frozen vision tower "root" (in the root unit), "replicate" or
+      "shard" (a unit per block). VLMs whose vision blocks become units run the tower on a zero
+      placeholder image in forwards without images, so every rank issues the same collectives.
+    - `dp_replicate_mesh_name`, `cp_mesh_name`, `tp_mesh_name`: the mesh's dim names (absent = size 1).
+    - `fp32_holder_units`: "per_layer" (each GatedDeltaNet's gate holder its own fp32 unit) or "model"
+      (one fp32 unit for all of them: 2 collectives a step instead of 2 per GatedDeltaNet layer).
+    - `vocab_parallel_lm_head` (tp > 1): the lm_head split by vocab too, the loss combining the slices;
+      `logits` then hold this rank's slice. Needs untied embeddings and tp dividing the vocab size.
+    - `cp_state_exchange` (cp > 1): "allgather", "scan" or "auto", how the GatedDeltaNet layers pass
+      chunk summaries across the cp ranks.
+    - `tiled_loss`: "recompute" (or True) or "hold": training forwards with labels compute the lm_head
+      and the loss in blocks of tokens and vocab rows and return `logits=None` ("recompute" recomputes
+      the blocks in backward; "hold" holds the gradients, a weight-sized one among them, from forward);
+      "off" (or False): Transformers' loss.
+    - `moe_balance` (Qwen3.5-MoE, `output_router_logits`): "rank" — the router's load-balancing loss
+      over each data-parallel rank's tokens (Transformers' meaning; whole rows under cp); "global" —
+      over the global batch (its sums all-reduced over dp_shard × cp in the tiled training loss; not
+      with HSDP). Dense models ignore it.
+    - `ep` (Qwen3.5-MoE): expert parallelism, each of `ep` ranks holding `num_experts / ep` whole
+      experts per layer, tokens exchanged by all-to-all; the ep groups are consecutive ranks of
+      dp_shard × cp, which `ep` must divide, as it must the experts (ValueError with the numbers).
+    """
 
     mp_policy: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = None

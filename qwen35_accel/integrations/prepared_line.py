@@ -1,0 +1,63 @@
+"""The parts of the plugin's prepared line ("… prepared by qwen35_accel: …") that say what runs:
+where a MoE model's experts live, the mixed precision in effect and where it came from, the loss,
+Transformers' Hub kernels turned off."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+
+def experts_note(model: nn.Module) -> str:
+    """For the prepared line: where a MoE model's routed experts live."""
+    from ..model.detect import qwen35_family, unwrap_qwen35
+    from ..parallel.expert_parallel import describe_experts
+
+    return f"{describe_experts(unwrap_qwen35(model))}, " if qwen35_family(model) == "moe" else ""
+
+
+def hub_kernels_note(model: nn.Module) -> str:
+    """For the prepared line: that Transformers' kernelize was turned off, and what it had replaced."""
+    from ..model.hub_kernels import HUB_KERNELS_ATTR
+
+    replaced = getattr(model, HUB_KERNELS_ATTR, None)
+    if replaced is None:
+        return ""
+    had = f"; it had replaced {', '.join(replaced)}" if replaced else ""
+    return f", Transformers' Hub kernels (kernelize): off, its forwards would run instead of qwen35_accel's layers{had}"
+
+
+def mixed_precision_note(mixed_precision: str, policy: Any, environ: Mapping[str, str] | None = None) -> str:
+    """For the prepared line: the mixed precision in effect (the Accelerator's), what the units compute
+    and reduce in (`policy`: FSDP2's `MixedPrecisionPolicy`), and where it came from when that is not the
+    launch config: a script's `TrainingArguments(fp16=True)` / `bf16=True` or `Accelerator(mixed_precision=...)`
+    overrides `ACCELERATE_MIXED_PRECISION`, which `accelerate launch` sets from the YAML (`environ`,
+    default `os.environ`)."""
+    environ = os.environ if environ is None else environ
+    param = getattr(policy, "param_dtype", None)
+    reduce = getattr(policy, "reduce_dtype", None) or param
+    param_name, reduce_name = (str(d).removeprefix("torch.") if d is not None else "their storage dtype" for d in (param, reduce))
+    note = f"mixed precision: {mixed_precision} (units compute in {param_name}, reduce in {reduce_name}; gate holders fp32)"
+    launched = environ.get("ACCELERATE_MIXED_PRECISION")
+    if launched is not None and launched.lower() != str(mixed_precision).lower():
+        note += (f", set by the script (TrainingArguments fp16/bf16 or Accelerator(mixed_precision=...)) over the "
+                 f"launch config's {launched!r}")
+    return note
+
+
+def loss_in_effect(model: nn.Module) -> str:
+    """The training loss's path, for the prepared line."""
+    from ..model.detect import is_sequence_classifier, is_token_classifier, unwrap_qwen35
+    from ..parallel.tiled_loss import tiled_loss_mode
+
+    if is_sequence_classifier(model):
+        return "the sequence classifier's (Transformers', on each row's last real token)"
+    if is_token_classifier(model):
+        return "the token classifier's (Transformers', over the step's labelled tokens)"
+    mode = tiled_loss_mode(unwrap_qwen35(model))
+    if mode != "off":
+        return f"tiled, {mode} (training forwards return no logits; QWEN35_ACCEL_TILED_LOSS=off for Transformers')"
+    return "Transformers' (whole logits)"

@@ -77,6 +77,12 @@ def test_readme_is_a_front_door():
         f"README.md has {lines} lines, at most {README_MAX_LINES}: move reference text to a page under docs/ "
         "and link it from the README"
     )
+    # The first screen: what it is, the two commands, then what works (why comes after).
+    text = README.read_text().splitlines()
+    first = {line: number for number, line in reversed(list(enumerate(text)))}
+    assert first["## Set up, run, test"] < 15 and first["## What works"] < 35, (first.get("## Set up, run, test"),
+                                                                              first.get("## What works"))
+    assert first["## What works"] < first["## Why"]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))

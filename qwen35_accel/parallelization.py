@@ -48,6 +48,7 @@ from .parallel.fsdp import (
 )
 from .parallel.mesh import ParallelDims, mesh_device, mesh_dim_names, mesh_dim_size
 from .parallel.moe import check_global_balance, check_no_expert_adapters, install_global_balance
+from .parallel.prepared import Preparation, attach_preparation
 from .parallel.options import (
     FP32_HOLDER_UNITS_CHOICES,
     FROZEN_MULTIMODAL_SHARDING_CHOICES,
@@ -73,28 +74,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-@dataclasses.dataclass
-class Preparation:
-    """What one `PARALLELIZER.apply` call works on, handed to each step of the pipeline in order:
-    the model as passed (`model`: a PEFT wrapper stays outside) and the Qwen3.5 model inside it
-    (`base`), its parts (located once), the mesh's dims and the FSDP2 mesh, the options; and what
-    the steps made (`converted`: layers given an fp32 gate holder; `expert_mesh` under EP)."""
-
-    model: nn.Module
-    base: nn.Module
-    parts: Qwen35Parts
-    dims: ParallelDims
-    fsdp_mesh: DeviceMesh
-    options: ParallelOptions
-    converted: int = 0
-    expert_mesh: ExpertMesh | None = None
-
-    @property
-    def global_balance(self) -> bool:
-        """The MoE router's balance over the global batch (dense models have no router)."""
-        return self.options.moe_balance == "global" and self.parts.family == "moe"
-
 
 class Qwen3_5ModelParallelizer:
     """Applies qwen35-accel's parallelism to a Qwen3.5 model (dense or MoE), in place."""
@@ -143,6 +122,7 @@ class Qwen3_5ModelParallelizer:
         prep = Preparation(model=model, base=unwrap_qwen35(model), parts=parts, dims=dims, fsdp_mesh=dims.fsdp, options=opts)
         for step in self.pipeline:
             getattr(self, step)(prep)
+        attach_preparation(prep)  # what every later reader asks (`parallel.prepared.prepared_state`)
         logger.info(
             "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s, "
             "cp: %d, tp: %d, ep: %d, tiled loss: %s)",

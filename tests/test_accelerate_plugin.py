@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_world
+from qwen35_accel.parallel.prepared import prepared_by_accelerate
 from _parity import AdamWeightTolerance, assert_close, assert_grads_match, assert_params_match, assert_params_match_after_adam
 
 
@@ -161,7 +162,7 @@ def _prepare_and_train_worker(rank: int, world: int, cp: int, activation_checkpo
     model = build_tiny_causal_lm(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # made before prepare, as the Trainer does
     model, optimizer = accelerator.prepare(model, optimizer)
-    assert getattr(model, "_qwen35_accel_prepared", False)
+    assert prepared_by_accelerate(model)
     assert isinstance(model.model.layers[0].linear_attn._fp32_params, FSDPModule)
     # Still FSDP after later AcceleratorState() calls (they copy PartialState's state).
     assert accelerator.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
@@ -222,7 +223,7 @@ def _llama_worker(rank: int, world: int) -> None:
     model = llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
-    assert not getattr(model, "_qwen35_accel_prepared", False)
+    assert not prepared_by_accelerate(model)
     # The units Accelerate's own fsdp2_prepare_model gives when called directly.
     direct = fsdp2_prepare_model.__qwen35_accel_original__(accelerator, llama())
     units = lambda m: [n for n, sub in m.named_modules() if isinstance(sub, FSDPModule)]  # noqa: E731
@@ -268,7 +269,7 @@ def _ram_efficient_worker(rank: int, world: int) -> None:
     model = build_tiny_causal_lm(seed=0 if rank == 0 else 123)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
-    assert getattr(model, "_qwen35_accel_prepared", False)
+    assert prepared_by_accelerate(model)
     assert_params_match(model, reference, atol=0)  # exact: preparing moves values, computes nothing
     batch = random_batch(2, 16, reference.config.vocab_size, seed=3)
     loss = model(**batch).loss

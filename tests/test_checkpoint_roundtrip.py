@@ -82,6 +82,7 @@ def _node_local_checkpoint_worker(rank: int, world: int, tmp: str) -> None:
 
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.integrations.checkpoints import check_same_checkpoint_on_every_rank
+    from qwen35_accel.parallel.prepared import prepared_state
     from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
     accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="FULL_STATE_DICT"))
@@ -90,7 +91,7 @@ def _node_local_checkpoint_worker(rank: int, world: int, tmp: str) -> None:
 
     def prepared(seed: int) -> torch.nn.Module:
         model = PARALLELIZER.apply(build_tiny_causal_lm(seed=seed), mesh)
-        model._qwen35_accel_prepared = True  # what the plugin's preparation marks
+        prepared_state(model).source = "accelerate"  # what the plugin's preparation records
         return model
 
     def load(model: torch.nn.Module, directory: Path) -> None:  # what Accelerator.load_state calls for the model

@@ -161,6 +161,10 @@ def _lora_cp_worker(rank: int, world: int) -> None:
     assert any("score" in name for name in trainable) and any("lora_A" in name for name in trainable), trainable
     mesh = cp_mesh(world, world)
     PARALLELIZER.apply(model, mesh)
+    from qwen35_accel.parallel.prepared import prepared_state
+
+    state = prepared_state(model)  # on the PEFT wrapper and on the head inside it: the same object
+    assert state is prepared_state(model.base_model.model) and state.model is model and state.dims.cp is not None
     batch = _rows(reference.config.vocab_size, seed=4)
     want = reference(**batch)
     want.loss.backward()
@@ -225,11 +229,14 @@ def _dp_worker(rank: int, world: int) -> None:
 
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.parallel.fsdp import describe_units
+    from qwen35_accel.parallel.prepared import prepared_state
     from qwen35_accel.testing.tiny import build_tiny_sequence_classifier
 
     reference = build_tiny_sequence_classifier(seed=0)
     model = copy.deepcopy(reference)
     PARALLELIZER.apply(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",)))
+    state = prepared_state(model)  # the one prepared state, kept on the model
+    assert state.source == "apply" and state.base is model and state.parts.head is model.score and state.dims.cp is None
     units = {row["unit"] for row in describe_units(model)}
     assert {"model.layers.0.linear_attn._fp32_params", "model.norm+score"} <= units, units  # the score in the tail
     batch = _rows(reference.config.vocab_size, seed=3)
@@ -379,6 +386,9 @@ def _distributed_config_worker(rank: int, world: int, path: str) -> None:
     model = AutoModelForSequenceClassification.from_pretrained(
         path, dtype=torch.bfloat16, distributed_config=DistributedConfig(fsdp_size=world)
     )
+    from qwen35_accel.parallel.prepared import prepared_state
+
+    assert prepared_state(model).source == "distributed_config"
     units = {row["unit"]: (row["storage"], row["compute"]) for row in describe_units(model)}
     assert units["model.layers.0.linear_attn._fp32_params"] == ("float32", "float32"), units
     assert units["model.norm+score"] == ("bfloat16", "bfloat16"), units
@@ -436,6 +446,9 @@ def _bf16_accelerate_worker(rank: int, world: int) -> None:
     model = build_tiny_sequence_classifier(seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
+    from qwen35_accel.parallel.prepared import prepared_state
+
+    assert prepared_state(model).source == "accelerate"
     rows = {row["unit"]: row for row in describe_units(model)}
     # The YAML's policy on the layers and the score; the gate holders their own fp32 units.
     assert (rows["model.layers.0"]["storage"], rows["model.layers.0"]["compute"]) == ("float32", "bfloat16"), rows

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .targets import is_tensor_parallel_qwen35
+from .targets import is_tensor_parallel_qwen35, prepared_by_accelerate
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def load_fsdp_model(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(fsdp_plugin: Any, accelerator: Any, model: nn.Module, input_dir: str, model_index: int = 0,
                 *args: Any, **kwargs: Any) -> Any:
-        if getattr(model, "_qwen35_accel_prepared", False):
+        if prepared_by_accelerate(model):
             path = agreed_full_checkpoint(fsdp_plugin, input_dir, model_index)
             wanted = _full_checkpoint_path(fsdp_plugin, input_dir, model_index)
             if path is None and wanted is not None:
@@ -133,7 +133,7 @@ def trainer_load_from_checkpoint(original: Callable[..., Any]) -> Callable[..., 
     @functools.wraps(original)
     def wrapper(self: Any, resume_from_checkpoint: str, model: Any = None) -> Any:
         target = model if model is not None else self.model
-        if getattr(target, "_qwen35_accel_prepared", False):
+        if prepared_by_accelerate(target):
             check_same_checkpoint_on_every_rank(resume_from_checkpoint)
             if is_tensor_parallel_qwen35(target):
                 plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
@@ -214,7 +214,7 @@ def trainer_save_model(original: Callable[..., Any]) -> Callable[..., Any]:
             and plugin is not None
             and getattr(accelerator, "is_fsdp2", False)
             and "FULL_STATE_DICT" not in str(plugin.state_dict_type)
-            and getattr(self.model, "_qwen35_accel_prepared", False)
+            and prepared_by_accelerate(self.model)
         ):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -23,7 +23,7 @@ from .compilation import compile_prepared, take_over_compile
 from .notices import main_process_note
 from .prepared_line import experts_note, hub_kernels_note, loss_in_effect, mixed_precision_note
 from .settings import PluginSettings, check_same_on_every_rank
-from .targets import is_plugin_fsdp2_module, is_qwen35_module, the_model
+from .targets import is_plugin_fsdp2_module, is_qwen35_module, prepared_by_accelerate, the_model
 
 if TYPE_CHECKING:
     from ..model.detect import Qwen35Parts
@@ -47,7 +47,7 @@ def prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
             _note_restored_gates(model)
             _present_layer_classes_only(self.state.fsdp_plugin, model)
         result = original(self, *args)
-        if model is not None and getattr(model, "_qwen35_accel_prepared", False):
+        if model is not None and prepared_by_accelerate(model):
             _register_tensor_parallel_optimizers(model, result if isinstance(result, (tuple, list)) else (result,))
         return result
 
@@ -177,7 +177,9 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         from ..parallel.tensor_parallel.clipping import check_one_gradient_mesh
 
         check_one_gradient_mesh(model)
-    model._qwen35_accel_prepared = True
+    from ..parallel.prepared import prepared_state
+
+    prepared_state(model).source = "accelerate"  # the step hooks, evaluation and checkpoints act on it
     cp = mesh_dim_size(mesh, "cp")
     compiled = compile_prepared(parts, compile_kwargs, context_parallel=cp > 1, compiled_whole=hasattr(model, "_orig_mod"))
     main_process_note(

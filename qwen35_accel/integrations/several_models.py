@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..parallel.mesh import mesh_dim_size
-from .targets import is_dense_qwen35_module
+from .targets import is_dense_qwen35_module, prepared_by_accelerate
 from .trl_trainers import trl_under_cp_error
 
 
@@ -95,9 +95,7 @@ def trl_prepare_fsdp(trainer: str) -> Callable[[Callable[..., Any]], Callable[..
         @functools.wraps(original)
         def wrapper(model: nn.Module, accelerator: Any) -> nn.Module:
             plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
-            if is_dense_qwen35_module(model) and plugin is not None and plugin.fsdp_version == 2 and not getattr(
-                model, "_qwen35_accel_prepared", False
-            ):
+            if is_dense_qwen35_module(model) and plugin is not None and plugin.fsdp_version == 2 and not prepared_by_accelerate(model):
                 parallelism = getattr(accelerator, "parallelism_config", None)
                 if parallelism is not None and parallelism.cp_enabled:
                     from .trl_whole_rows import whole_rows_supported

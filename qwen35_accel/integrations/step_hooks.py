@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .targets import prepared_by_accelerate
 from .trl_trainers import (
     TRL_LOGPROB_TRAINERS,
     TRL_SAMPLING_TRAINERS,
@@ -66,7 +67,7 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
                 raise trl_under_cp_error(trainer, cp_mesh.size(), trl_version)
         tp_size = getattr(getattr(accelerator, "parallelism_config", None), "tp_size", 1) or 1
         if tp_size > 1 and (trainer := trl_trainer(self, TRL_SAMPLING_TRAINERS)) is not None and any(
-            getattr(m, "_qwen35_accel_prepared", False) for m in getattr(accelerator, "_models", [])
+            prepared_by_accelerate(m) for m in getattr(accelerator, "_models", [])
         ):
             from .activation import TRL
 
@@ -152,7 +153,7 @@ def _refuse_logits_consumers_of_vocab_slices(trainer: Any, accelerator: Any) -> 
     from ..model.detect import unwrap_qwen35
 
     for model in getattr(accelerator, "_models", []):
-        if getattr(model, "_qwen35_accel_prepared", False) and getattr(unwrap_qwen35(model), VOCAB_GROUP_ATTR, None):
+        if prepared_by_accelerate(model) and getattr(unwrap_qwen35(model), VOCAB_GROUP_ATTR, None):
             raise NotImplementedError(
                 f"{' and '.join(users)} computes the loss from the model's logits, which with "
                 "QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD=1 hold this rank's slice of the vocabulary (a wrong loss). "
@@ -165,7 +166,7 @@ def clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         from ..parallel.tensor_parallel import clip_grad_norm_, tensor_parallel_group
 
-        models = [m for m in getattr(self, "_models", []) if getattr(m, "_qwen35_accel_prepared", False)]
+        models = [m for m in getattr(self, "_models", []) if prepared_by_accelerate(m)]
         models = [m for m in models if tensor_parallel_group(m) is not None]
         if models:
             parameters = list(parameters)
@@ -237,6 +238,6 @@ def _ranks_sharing_a_batch(accelerator: Any) -> int:
     from ..parallel.mesh import mesh_dim_size
 
     mesh = getattr(accelerator, "torch_device_mesh", None)
-    if mesh is None or not any(getattr(m, "_qwen35_accel_prepared", False) for m in getattr(accelerator, "_models", [])):
+    if mesh is None or not any(prepared_by_accelerate(m) for m in getattr(accelerator, "_models", [])):
         return 1
     return mesh_dim_size(mesh, "cp") * mesh_dim_size(mesh, "tp")

@@ -7,6 +7,14 @@ from typing import Any
 from torch import nn
 
 
+def prepared_by_accelerate(model: Any) -> bool:
+    """Whether the plugin's Accelerate preparation prepared `model` (`parallel.prepared`: its
+    `Preparation`, found through DDP's, torch.compile's and PEFT's wrappers)."""
+    from ..parallel.prepared import prepared_by_accelerate as prepared
+
+    return prepared(model if isinstance(model, nn.Module) else None)
+
+
 def is_dense_qwen35_module(model: Any) -> bool:
     """A module the plugin takes over (dense Qwen3.5); anything else keeps Accelerate's path."""
     from ..model.detect import is_dense_qwen35
@@ -37,7 +45,7 @@ def is_tensor_parallel_qwen35(model: Any) -> bool:
     """A model prepared by the plugin with a tp group."""
     from ..parallel.tensor_parallel import tensor_parallel_group
 
-    return getattr(model, "_qwen35_accel_prepared", False) and tensor_parallel_group(model) is not None
+    return prepared_by_accelerate(model) and tensor_parallel_group(model) is not None
 
 
 def prepared_qwen35(model: nn.Module) -> nn.Module | None:
@@ -46,6 +54,6 @@ def prepared_qwen35(model: nn.Module) -> nn.Module | None:
     from ..model.detect import unwrap_qwen35
 
     for module in (model, getattr(model, "module", None)):
-        if module is not None and getattr(module, "_qwen35_accel_prepared", False):
+        if module is not None and prepared_by_accelerate(module):
             return unwrap_qwen35(module)
     return None

@@ -138,7 +138,10 @@ def shard_with_the_plugin(model: nn.Module, distributed_config: Any, mesh_manage
         offload_policy=CPUOffloadPolicy() if distributed_config.fsdp_cpu_offload else None,
     )
     PARALLELIZER.apply(model, mesh, "fsdp", options=options)
+    from ..parallel.prepared import prepared_state
     from .prepared_line import loss_in_effect
+
+    prepared_state(model).source = "distributed_config"
 
     loaded = (f" (the checkpoint's values load into them in fp32, the rest in {', '.join(rounded)})" if rounded else "")
     main_process_note(

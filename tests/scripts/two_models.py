@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, set_seed
 
+from qwen35_accel.parallel.prepared import prepared_by_accelerate
+
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 ROWS, SEQ, STEPS = 4, 32, 3
 
@@ -49,7 +51,7 @@ def main(out: str) -> None:
             from qwen35_accel.context_parallel import shard_batch
 
             local = lambda batch: shard_batch(batch, mesh["cp"])
-    prepared = [bool(getattr(m, "_qwen35_accel_prepared", False)) for m in (model, ref_model)]
+    prepared = [prepared_by_accelerate(m) for m in (model, ref_model)]
     losses: dict[str, list[float]] = {"policy": [], "reference": []}
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(step)

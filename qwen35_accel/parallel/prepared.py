@@ -1,0 +1,73 @@
+"""What one preparation made, in one object: `Preparation`, handed to each step of
+`PARALLELIZER.apply`'s pipeline and then kept on the model, where every later reader finds it
+(`prepared_state`): the model and its parts, the mesh's dims, the options, who prepared it.
+
+It is a plain attribute of the model as passed and of the Qwen3.5 model inside it (never a
+submodule or a parameter: checkpoints and `named_modules()` do not see it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..model.detect import Qwen35Parts, unwrap_qwen35
+from .expert_parallel import ExpertMesh
+from .mesh import ParallelDims
+from .options import ParallelOptions
+
+PREPARED_ATTR = "_qwen35_prepared"
+SOURCES: tuple[str, ...] = ("apply", "accelerate", "distributed_config")
+
+
+@dataclasses.dataclass
+class Preparation:
+    """What one `PARALLELIZER.apply` call works on, handed to each step of the pipeline in order, and
+    afterwards the prepared state every reader asks (`prepared_state`): the model as passed (`model`:
+    a PEFT wrapper stays outside) and the Qwen3.5 model inside it (`base`), its parts (located once),
+    the mesh's dims and the FSDP2 mesh, the options; what the steps made (`converted`: layers given
+    an fp32 gate holder; `expert_mesh` under EP); who prepared it (`source`)."""
+
+    model: nn.Module
+    base: nn.Module
+    parts: Qwen35Parts
+    dims: ParallelDims
+    fsdp_mesh: DeviceMesh
+    options: ParallelOptions
+    converted: int = 0
+    expert_mesh: ExpertMesh | None = None
+    # Who prepared it: "apply" (a custom loop), "accelerate" (the plugin's Accelerate preparation) or
+    # "distributed_config" (Transformers' sharding at load, taken over).
+    source: str = "apply"
+
+    @property
+    def global_balance(self) -> bool:
+        """The MoE router's balance over the global batch (dense models have no router)."""
+        return self.options.moe_balance == "global" and self.parts.family == "moe"
+
+
+def attach_preparation(prep: Preparation) -> None:
+    """Keep `prep` on the model as passed and on the Qwen3.5 model inside it."""
+    for module in {id(prep.model): prep.model, id(prep.base): prep.base}.values():
+        module.__dict__[PREPARED_ATTR] = prep
+
+
+def prepared_state(model: nn.Module | None) -> Preparation | None:
+    """The `Preparation` of a model `PARALLELIZER.apply` prepared, looked up through DDP's `.module`,
+    torch.compile's and PEFT's wrappers; None for any other model (or None)."""
+    for module in (model, getattr(model, "module", None)):
+        if isinstance(module, nn.Module):
+            for candidate in (module, unwrap_qwen35(module)):
+                state = candidate.__dict__.get(PREPARED_ATTR)
+                if state is not None:
+                    return state
+    return None
+
+
+def prepared_by_accelerate(model: nn.Module | None) -> bool:
+    """Whether the plugin's Accelerate preparation prepared `model` (its step hooks, evaluation and
+    checkpoint integrations act on such models only)."""
+    state = prepared_state(model)
+    return state is not None and state.source == "accelerate"

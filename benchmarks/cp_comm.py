@@ -141,7 +141,7 @@ class AllGatherHiddenGatedDeltaNet(torch.nn.Module):
         from qwen35_accel.parallel.collectives import (
             all_gather_with_grad,
         )
-        from qwen35_accel.parallel.context_parallel.layout import (
+        from qwen35_accel.parallel.context_parallel.chunks import (
             shard_sequence,
             unshard_sequence,
         )
@@ -157,7 +157,7 @@ def _measure_worker(rank: int, world: int, seqs: list[int], batch: int, dtype_na
     from torch.distributed.device_mesh import init_device_mesh
 
     from qwen35_accel.model.fp32_gate import install_fp32_gate
-    from qwen35_accel.parallel.context_parallel.layout import shard_sequence
+    from qwen35_accel.parallel.context_parallel.chunks import shard_sequence
     from qwen35_accel.parallel.context_parallel.model import install_context_parallel
     from qwen35_accel.testing.tiny import build_tiny_causal_lm
 

@@ -319,7 +319,7 @@ def check_cp_kernels(device: str, smoke: bool = False) -> dict:
     """The kernels a CP GatedDeltaNet layer chooses on `device` against the torch kernels."""
     from qwen35_accel.ops.causal_conv import select_conv_kernel, torch_conv_kernel
     from qwen35_accel.ops.gated_delta import chunk_summary, select_kernel, torch_kernel
-    from qwen35_accel.parallel.context_parallel.documents import conv_seq_idx
+    from qwen35_accel.parallel.context_parallel.sharded_documents import conv_seq_idx
 
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cpu").manual_seed(3)

@@ -10,7 +10,7 @@ order that reverses every step:
 - placeholder: as installed (the tower runs on one zero image of 2 x 2 patches, one merged
   token, added times zero: its blocks' all-gathers, its forward/backward and reduce-scatters);
 - none: the same model with the hook removed (the tower skipped; a mixed batch would then
-  abort, see parallel/vision.py).
+  abort, see parallel/vision_placeholder.py).
 Reports the median step time of each (rank 0), the median of the paired ratios
 placeholder / none, and the tower's share of the parameters (what the placeholder's
 collectives move). Runs are appended to `benchmarks/results/vlm_placeholder_step.md`.
@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, steps: int, warmup: int, seq: int, shape: dic
     from torch.distributed.device_mesh import init_device_mesh
 
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.parallel.vision import PLACEHOLDER_HOOK_ATTR
+    from qwen35_accel.parallel.vision_placeholder import PLACEHOLDER_HOOK_ATTR
     from qwen35_accel.testing.tiny import mixed_vlm_batch
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .model.packing import DocumentLayout, document_layout, layout_from_starts
 from .parallel.collectives import all_gather_with_grad
-from .parallel.context_parallel.layout import check_divisible, pad_for_context_parallel, shard_sequence, unshard_sequence
+from .parallel.context_parallel.chunks import check_divisible, pad_for_context_parallel, shard_sequence, unshard_sequence
 from .parallel.context_parallel.model import context_parallel_paused
 
 IGNORE_INDEX = -100
@@ -114,7 +114,7 @@ def shard_batch(batch: dict[str, Any], cp_mesh: DeviceMesh) -> dict[str, Any]:
     given), the vision inputs and `mm_token_type_ids` whole and the same on every cp rank.
     Each cp rank encodes a share of the images and videos, the embeddings are all-gathered,
     and the mRoPE positions are computed on the whole rows
-    (`parallel/context_parallel/vision.py`). Packed rows with images are refused.
+    (`parallel/context_parallel/vision_split.py`). Packed rows with images are refused.
     """
     cp = cp_mesh.size()
     rank = cp_mesh.get_local_rank()

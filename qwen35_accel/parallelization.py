@@ -26,14 +26,14 @@ from .parallel.activation_checkpointing import (
     vision_tower_trains,
 )
 from .parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR, ActivationOffload
-from .parallel.expert_parallel import (
+from .parallel.expert_parallel.experts import (
     ExpertMesh,
     build_expert_mesh,
     check_expert_parallel,
     install_expert_parallel,
     shard_experts,
 )
-from .parallel.expert_tensor_parallel import HELD_ATTR
+from .parallel.expert_parallel.over_tensor_parallel import HELD_ATTR
 from .parallel.context_parallel.model import (
     check_context_parallel_supported,
     install_context_parallel,
@@ -47,7 +47,7 @@ from .parallel.fsdp import (
     unit_record,
 )
 from .parallel.mesh import ParallelDims, mesh_device, mesh_dim_names, mesh_dim_size
-from .parallel.moe import check_global_balance, check_no_expert_adapters, install_global_balance
+from .parallel.expert_parallel.router import check_global_balance, check_no_expert_adapters, install_global_balance
 from .parallel.prepared import Preparation, attach_preparation
 from .parallel.options import (
     FP32_HOLDER_UNITS_CHOICES,
@@ -65,7 +65,7 @@ from .parallel.tensor_parallel import (
 )
 from .parallel.tensor_parallel import check_divisible as check_tp_divisible
 from .parallel.tensor_parallel import check_no_cpu_offload
-from .parallel.vision import install_vision_placeholder, vision_tower_has_units
+from .parallel.vision_placeholder import install_vision_placeholder, vision_tower_has_units
 
 # mesh_dim_names / mesh_dim_size / mesh_device: re-exported from parallel.mesh for existing callers.
 __all__ = [

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.multiprocess
 
 def _api_worker(rank: int, world: int) -> None:
     from qwen35_accel.context_parallel import gather_sequence, shard_batch
-    from qwen35_accel.parallel.context_parallel.layout import shard_sequence
+    from qwen35_accel.parallel.context_parallel.chunks import shard_sequence
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     cp = world

@@ -138,7 +138,7 @@ def _cp_bad_input_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
-    from qwen35_accel.parallel.context_parallel.layout import shard_sequence
+    from qwen35_accel.parallel.context_parallel.chunks import shard_sequence
 
     mesh = cp_mesh(world, world)
     with pytest.raises(ValueError, match=r"cp_state_exchange='ring'; expected one of \('auto', 'allgather', 'scan'\)"):

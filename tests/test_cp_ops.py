@@ -10,7 +10,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn, torch
 from _dist import run_world
 from _parity import assert_close
 from qwen35_accel.ops.gated_delta import chunk_summary, fold_states, read_state
-from qwen35_accel.parallel.context_parallel.layout import (
+from qwen35_accel.parallel.context_parallel.chunks import (
     local_positions,
     pad_for_context_parallel,
     shard_sequence,

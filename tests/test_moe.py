@@ -170,7 +170,7 @@ def _cp_worker(rank: int, world: int) -> None:
     from qwen35_accel.context_parallel import shard_batch
     from qwen35_accel.parallel.context_parallel.attention import ContextParallelMoeAttention
     from qwen35_accel.parallel.context_parallel.gated_delta_net import ContextParallelMoeGatedDeltaNet
-    from qwen35_accel.parallel.context_parallel.layout import unshard_sequence
+    from qwen35_accel.parallel.context_parallel.chunks import unshard_sequence
     from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
     from test_cp_model import _padded_batch, cp_mesh
 

@@ -27,7 +27,7 @@ def _parity(rank: int, world: int, *, ep: int, cp: int, num_experts: int, activa
     `STEPS` SGD steps. Returns (model, reference). Also test_moe's FSDP2 parity (ep 1)."""
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import shard_batch
-    from qwen35_accel.parallel.context_parallel.layout import unshard_sequence
+    from qwen35_accel.parallel.context_parallel.chunks import unshard_sequence
     from qwen35_accel.parallel.tensor_parallel import clip_grad_norm_, gather_tensor_parallel
     from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, random_batch
     from test_cp_model import cp_mesh
@@ -194,7 +194,7 @@ def test_ep_x_tp_layouts_it_cannot_take_are_refused_with_the_numbers():
     """ep × tp needs ep to span dp_shard × cp (the experts outside FSDP2, on the dense mesh) and
     no HSDP: the sizes alone decide (the same on every rank), so no world is needed."""
     from qwen35_accel.model.detect import FAMILIES, qwen35_parts
-    from qwen35_accel.parallel.expert_parallel import check_expert_parallel
+    from qwen35_accel.parallel.expert_parallel.experts import check_expert_parallel
     from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
 
     parts = qwen35_parts(build_tiny_moe_causal_lm(seed=0, num_experts=8), families=FAMILIES)

@@ -218,3 +218,13 @@ def test_no_function_is_longer_than_80_lines_and_apply_is_its_pipeline():
     assert not long, long
     assert len(inspect.getsource(type(PARALLELIZER).apply).splitlines()) < 60
     assert all(callable(getattr(PARALLELIZER, step)) for step in PARALLELIZER.pipeline)
+
+
+def test_module_file_names_are_distinct():
+    """A file name says which module it is (no three layout.py): only `testing/`'s re-export facades
+    share a name with the module they re-export."""
+    from collections import Counter
+
+    names = Counter(path.name for path in PACKAGE.rglob("*.py") if path.name != "__init__.py")
+    facades = {"tiny.py", "local_world.py"}  # testing/tiny.py and testing/local_world.py re-export model/ and the root's
+    assert not [name for name, count in names.items() if count > 1 and name not in facades], names.most_common(5)

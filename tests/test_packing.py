@@ -58,7 +58,7 @@ def test_documents_are_grouped_once_per_forward(monkeypatch):
 def test_sharded_documents_first_keys_per_chunk():
     """The first key each local chunk's attention needs: the earliest document start among
     its queries, computed once per forward (one host sync) and shared by the layers."""
-    from qwen35_accel.parallel.context_parallel.documents import shard_documents
+    from qwen35_accel.parallel.context_parallel.sharded_documents import shard_documents
 
     starts = torch.zeros(2, 16, dtype=torch.bool)
     starts[:, 0] = True
@@ -267,8 +267,8 @@ def test_packed_attention_under_cp_keeps_memory_linear_in_tokens():
     import torch.nn.functional as F
 
     from qwen35_accel.parallel.context_parallel.attention import _sdpa_documents
-    from qwen35_accel.parallel.context_parallel.documents import shard_documents
-    from qwen35_accel.parallel.context_parallel.layout import local_positions
+    from qwen35_accel.parallel.context_parallel.sharded_documents import shard_documents
+    from qwen35_accel.parallel.context_parallel.chunks import local_positions
     from qwen35_accel.testing.saved_tensors import saved_storage_bytes
 
     heads, kv_heads, dim, doc = 4, 2, 4, 8  # the old chunk-wide mask kept 2.64x here

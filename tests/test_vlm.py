@@ -95,7 +95,7 @@ def _check_mixed_steps(mesh, media: list[list[list[str | None]]], towers=TOWERS,
     checkpointing (a trainable tower's blocks run twice per micro-step: forward, recompute)."""
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
-    from qwen35_accel.parallel.vision import PLACEHOLDER_HOOK_ATTR
+    from qwen35_accel.parallel.vision_placeholder import PLACEHOLDER_HOOK_ATTR
     from qwen35_accel.testing.tiny import concat_vlm_batches, mixed_vlm_batch, tiny_vlm_config
 
     config = tiny_vlm_config()
@@ -210,7 +210,7 @@ def test_placeholder_adds_exactly_zero_to_loss_and_gradients():
     """One process, the hook alone: a text-only forward (keywords or positional `input_ids`)
     gives bitwise Transformers' loss and decoder gradients, and every tower parameter a
     gradient of exactly zero (so FSDP2 reduces the same tensors on every rank)."""
-    from qwen35_accel.parallel.vision import install_vision_placeholder
+    from qwen35_accel.parallel.vision_placeholder import install_vision_placeholder
     from qwen35_accel.testing.tiny import build_tiny_vlm, mixed_vlm_batch
 
     reference, model = build_tiny_vlm(seed=0), build_tiny_vlm(seed=0)
@@ -230,7 +230,7 @@ def test_placeholder_adds_exactly_zero_to_loss_and_gradients():
 
 
 def test_images_and_videos_in_one_tower_call_equal_transformers_two_calls():
-    from qwen35_accel.parallel.vision import install_vision_placeholder
+    from qwen35_accel.parallel.vision_placeholder import install_vision_placeholder
     from qwen35_accel.testing.tiny import build_tiny_vlm, mixed_vlm_batch
 
     reference, model = build_tiny_vlm(seed=0), build_tiny_vlm(seed=0)

@@ -92,7 +92,7 @@ def _check_images_under_cp(mesh, steps: list[list[tuple]], towers=TOWERS, ac: bo
 def _check_split(encoded: list[int], batch: dict[str, torch.Tensor], cp_mesh) -> None:
     """One tower call on every cp rank, over its share of the patches (the placeholder's 4 when
     it has none): together the batch's patches once, not every image on every rank."""
-    from qwen35_accel.parallel.context_parallel.vision import vision_shares
+    from qwen35_accel.parallel.context_parallel.vision_split import vision_shares
 
     if "image_grid_thw" not in batch and "video_grid_thw" not in batch:
         encoded.clear()  # text only: the mixed-batch placeholder's business (test_vlm.py)
@@ -136,7 +136,7 @@ def test_images_under_cp2_tp2_equal_one_process():
 
 
 def test_vision_shares_balance_patches_deterministically():
-    from qwen35_accel.parallel.context_parallel.vision import vision_shares
+    from qwen35_accel.parallel.context_parallel.vision_split import vision_shares
 
     assert vision_shares([32, 16, 32, 16], 2) == [[0, 1], [2, 3]]
     assert vision_shares([16], 2) == [[0], []]

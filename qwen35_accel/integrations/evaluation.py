@@ -203,7 +203,7 @@ def _preprocess_per_chunk(fn: Callable[..., Any], logits: Any, labels: Any, cp_m
     Exact for position-wise functions (argmax, top-k, per-token log-probs); others raise
     where their output has no per-position shape."""
     from ..context_parallel import gather_sequence
-    from ..parallel.context_parallel.layout import pad_for_context_parallel, shard_sequence
+    from ..parallel.context_parallel.chunks import pad_for_context_parallel, shard_sequence
 
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     if isinstance(labels, torch.Tensor) and labels.dim() >= 2:

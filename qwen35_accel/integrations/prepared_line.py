@@ -14,7 +14,7 @@ from torch import nn
 def experts_note(model: nn.Module) -> str:
     """For the prepared line: where a MoE model's routed experts live."""
     from ..model.detect import qwen35_family, unwrap_qwen35
-    from ..parallel.expert_parallel import describe_experts
+    from ..parallel.expert_parallel.experts import describe_experts
 
     return f"{describe_experts(unwrap_qwen35(model))}, " if qwen35_family(model) == "moe" else ""
 

@@ -167,7 +167,7 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
                     "transformers<5.26 within the tested range, or QWEN35_ACCEL=0 and check the router term by hand."
                 )
             _CHECKED.add(self)
-            from ..parallel.moe import router_loss_coefficient
+            from ..parallel.expert_parallel.router import router_loss_coefficient
 
             coefficient = router_loss_coefficient(inner)
             keep = 1.0 / accumulation_divisor(self, num_items_in_batch, model.training)

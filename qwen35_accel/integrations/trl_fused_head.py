@@ -194,7 +194,7 @@ def _router_balance_group(model: nn.Module) -> Any:
     """The group a prepared Qwen3.5-MoE's router loss counts tokens over, beyond this rank's: dp_shard
     × cp with `moe_balance="global"`, else the cp group under cp > 1; None: this rank's tokens (TRL's
     own computation is then exact)."""
-    from ..parallel.moe import BALANCE_GROUP_ATTR
+    from ..parallel.expert_parallel.router import BALANCE_GROUP_ATTR
     from .targets import prepared_qwen35
 
     qwen = prepared_qwen35(model)
@@ -210,13 +210,13 @@ def _fused_forward_with_router_loss(
     TRL would take it from this rank's tokens with Transformers' `load_balancing_loss_func`, which
     under cp cannot even read the mask the CP pre-hook hands the layers (a dict). Here TRL's forward
     runs without router logits, the routers' logits of this forward are recorded as they are made
-    (the layers' order, as Transformers collects them), and `parallel.moe.router_balance_loss`
+    (the layers' order, as Transformers collects them), and `parallel.expert_parallel.router.router_balance_loss`
     reduces the loss's three sums over `group`: the value is one process's on those tokens, the
     gradient this rank's share (scaled for FSDP2's average, as the cross entropy). It is added to
     `loss` and returned as `aux_loss`, as TRL does."""
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
 
-    from ..parallel.moe import router_balance_loss
+    from ..parallel.expert_parallel.router import router_balance_loss
 
     recorded: list[torch.Tensor] = []
     handles = [module.register_forward_hook(lambda _m, _i, out: recorded.append(out[0]))

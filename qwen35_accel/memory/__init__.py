@@ -49,7 +49,7 @@ from .offload import HOST_MEMORY_SHARE, host_per_node, layer_forward_flops, offl
 from .report import describe, describe_vision, longest_seq_len, memory_report, parse_bytes, suggest_cp
 from .shapes import CHUNK, DEFAULT_LOSS_TILE_BYTES, OPTIMIZERS, Device, MemoryEstimate, ModelShape, Parallel, StepOptions
 from .step import estimate, step_estimate
-from .vision import VISION_FROZEN_SHARDINGS, VisionShape, VisionTower, vision_activations, vision_estimate
+from .vision_tower import VISION_FROZEN_SHARDINGS, VisionShape, VisionTower, vision_activations, vision_estimate
 
 __all__ = [
     "CHUNK", "DEFAULT_LOSS_TILE_BYTES", "HOST_MEMORY_SHARE", "OPTIMIZERS", "VISION_FROZEN_SHARDINGS", "Device", "MemoryEstimate", "ModelShape",

@@ -12,7 +12,7 @@ from typing import Any
 from .offload import RECOMPUTE_AND_BACKWARD, offload_timing
 from .shapes import Parallel, StepOptions
 from .step import step_estimate
-from .vision import VisionTower
+from .vision_tower import VisionTower
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from .layers import activations, host_activations, layer_activations
 from .loss import loss_saved, loss_transient
 from .shapes import OPTIMIZER_STATES, MemoryEstimate, ModelShape, Parallel, StepOptions
-from .vision import VisionTower, vision_estimate
+from .vision_tower import VisionTower, vision_estimate
 
 
 def _sharded(count: int, parallel: Parallel) -> int:

@@ -87,7 +87,7 @@ class ParallelOptions:
     def checked(self) -> ParallelOptions:
         """These options, validated (ValueError naming the field and its choices), `tiled_loss` normalised."""
         from .context_parallel.state_exchange import EXCHANGES
-        from .moe import BALANCE_CHOICES
+        from .expert_parallel.router import BALANCE_CHOICES
         from .tiled_loss import tiled_loss_choice
 
         check_choice("frozen_multimodal_sharding", self.frozen_multimodal_sharding, FROZEN_MULTIMODAL_SHARDING_CHOICES)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..model.detect import Qwen35Parts, unwrap_qwen35
-from .expert_parallel import ExpertMesh
+from .expert_parallel.experts import ExpertMesh
 from .mesh import ParallelDims
 from .options import ParallelOptions
 

@@ -35,7 +35,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
 from .losses import CP_NEEDS_SHIFT_LABELS, IGNORE_INDEX, VOCAB_GROUP_ATTR, CausalLMLoss, reduce_token_loss
-from .moe import router_loss_coefficient
+from .expert_parallel.router import router_loss_coefficient
 from .tiled_head import DEFAULT_LOSS_MODE, LOSS_MODES, linear_cross_entropy_sum, lm_head_weights
 
 TILED_LOSS_CHOICES: tuple[str, ...] = ("off", *LOSS_MODES)
@@ -116,8 +116,8 @@ def tiled_causal_lm_loss(
 def _router_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...], attention_mask: Any) -> torch.Tensor:
     """Transformers' load-balancing loss; under CP (the CP pre-hook hands the layers a dict of
     masks, the padding mask under "linear_attention") its sums reduced over the cp group, with
-    `moe_balance="global"` over dp_shard × cp (`parallel.moe`)."""
-    from .moe import BALANCE_GROUP_ATTR
+    `moe_balance="global"` over dp_shard × cp (`parallel.expert_parallel.router`)."""
+    from .expert_parallel.router import BALANCE_GROUP_ATTR
 
     loss_function = model.loss_function
     cp_group = loss_function.cp_group if isinstance(loss_function, CausalLMLoss) else None
@@ -125,7 +125,7 @@ def _router_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...], atte
     text = model.config.get_text_config()
     if group is None:
         return hf_moe.load_balancing_loss_func(router_logits, text.num_experts, text.num_experts_per_tok, attention_mask)
-    from .moe import router_balance_loss
+    from .expert_parallel.router import router_balance_loss
 
     padding = attention_mask.get("linear_attention") if isinstance(attention_mask, dict) else attention_mask
     return router_balance_loss(router_logits, text.num_experts, text.num_experts_per_tok, padding, group)

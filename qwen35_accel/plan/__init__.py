@@ -10,8 +10,8 @@ FLA and causal-conv1d, on any machine), the mesh, every FSDP2 unit per decoder l
 units, or where else FSDP2 holds it, and its bytes per rank), the context-parallel layout
 with its per-layer communication, and the memory of a training step per rank.
 
-Modules: `config` (the YAML, the run, the options), `layout` (the meta model as the
-parallelizer lays it out), `comm` (CP traffic), `step` (the memory model's inputs),
+Modules: `config` (the YAML, the run, the options), `units` (the meta model as the
+parallelizer lays it out), `comm` (CP traffic), `step_inputs` (the memory model's inputs),
 `text` (the printed plan).
 """
 
@@ -58,7 +58,7 @@ def _units(net: Any, parts: Any, sizes: dict[str, int], policy: Any, settings: A
     """The meta model's FSDP2 units as planned: (units, their rows, by decoder layer, the other units,
     the vision tower's report or None); nothing where the layout failed (`error`)."""
     from ..parallel.fsdp import fsdp_units
-    from .layout import by_layer, held_expert_rows, unit_rows, vision_report
+    from .units import by_layer, held_expert_rows, unit_rows, vision_report
 
     shards = sizes["dp_shard"] * sizes["cp"]
     units = fsdp_units(net) if error is None else []
@@ -73,7 +73,7 @@ def _units(net: Any, parts: Any, sizes: dict[str, int], policy: Any, settings: A
 
 def _reference_model(rows: list[dict[str, Any]], precision: Any, replicated: int, memory: dict[str, Any]) -> dict[str, Any]:
     """A frozen reference model prepared as the policy is: its units, in the checkpoint's dtype, nothing else."""
-    from .layout import reference_unit_bytes
+    from .units import reference_unit_bytes
 
     return {"units": "the policy's", "bytes_per_rank_max": reference_unit_bytes(rows, precision.storage) + replicated,
             "memory_bytes_per_rank": memory["memory_per_rank"]["reference_parameters"],
@@ -121,8 +121,8 @@ def plan(
     from ..integrations.settings import PluginSettings
     from ..parallel.fsdp import describe_prefetch
     from .comm import cp_comm
-    from .layout import fake_world, meta_model, parallelize
-    from .step import step_memory
+    from .units import fake_world, meta_model, parallelize
+    from .step_inputs import step_memory
 
     started = time.perf_counter()
     cluster = load_yaml(config)

@@ -23,8 +23,8 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
 from ...model.fp32_gate import COMPILED_STEPS_ATTR
 from ..collectives import all_gather_with_grad
-from .documents import DOCUMENTS_KWARG, ShardedDocuments
-from .layout import rank_chunks, unshard_sequence
+from .sharded_documents import DOCUMENTS_KWARG, ShardedDocuments
+from .chunks import rank_chunks, unshard_sequence
 
 # Attention implementations whose causal alignment is exact here: SDPA with a lower-right
 # causal bias, eager with an additive mask. Flash-attention kernels are not wired yet.

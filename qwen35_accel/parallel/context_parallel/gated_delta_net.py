@@ -1,6 +1,6 @@
 """GatedDeltaNet under context parallelism: state passing and a conv halo, nothing more.
 
-Each rank holds two chunks of the sequence (see `layout`). The recurrence crosses chunk
+Each rank holds two chunks of the sequence (see `chunks`). The recurrence crosses chunk
 boundaries through the state alone: every chunk is summarised as an affine map of its
 incoming state (`ops.gated_delta.chunk_summary`), the summaries are all-gathered (their
 size depends on heads and head dims, not on the sequence), every rank folds them in
@@ -21,8 +21,8 @@ from ...ops.causal_conv import ConvKernel, fla_conv_kernel, select_conv_kernel, 
 from ...ops.documents import per_document_with_state
 from ...ops.gated_delta import Kernel, chunk_summary, read_state, select_kernel
 from ..collectives import all_gather_with_grad
-from .documents import DOCUMENTS_KWARG, ShardedDocuments
-from .layout import chunk_owner, rank_chunks
+from .sharded_documents import DOCUMENTS_KWARG, ShardedDocuments
+from .chunks import chunk_owner, rank_chunks
 from .state_exchange import incoming_states
 
 

@@ -31,7 +31,7 @@ from transformers.modeling_layers import GenericForSequenceClassification, Gener
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast, TokenClassifierOutput
 
 from ..losses import IGNORE_INDEX, reduce_token_loss
-from .layout import local_positions
+from .chunks import local_positions
 
 HEAD_GROUP_ATTR = "_cp_group"  # the name the CP layers use: `context_parallel_paused` pauses the head too
 _CP_HEAD_CLASSES: dict[type, type] = {}

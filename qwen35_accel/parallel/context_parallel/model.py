@@ -35,12 +35,12 @@ from ...ops.causal_conv import fla_conv_kernel, select_conv_kernel
 from ..collectives import all_gather_flat
 from ..losses import VOCAB_GROUP_ATTR, CausalLMLoss
 from .attention import SUPPORTED_ATTENTION, ContextParallelAttention, ContextParallelMoeAttention
-from .documents import DOCUMENTS_KWARG, ShardedDocuments, shard_documents
+from .sharded_documents import DOCUMENTS_KWARG, ShardedDocuments, shard_documents
 from .heads import install_context_parallel_head
 from .gated_delta_net import ContextParallelGatedDeltaNet, ContextParallelMoeGatedDeltaNet
-from .layout import chunk_owner, unshard_sequence
+from .chunks import chunk_owner, unshard_sequence
 from .state_exchange import EXCHANGES
-from .vision import install_context_parallel_vision
+from .vision_split import install_context_parallel_vision
 
 CP_MESH_ATTR = "_qwen35_cp_mesh"
 CP_PAUSED_ATTR = "_qwen35_cp_paused"  # set by `context_parallel_paused` for its duration

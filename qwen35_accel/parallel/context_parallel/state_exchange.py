@@ -2,7 +2,7 @@
 
 A chunk c of the GatedDeltaNet recurrence maps its incoming state as S_{c+1} = M_c S_c + U_c
 (`ops.gated_delta.chunk_summary`); the whole sequence starts from S_0 = 0. Rank r holds
-chunks a = r and b = 2·cp−1−r (`layout`) and needs S_a and S_b. Two exchanges compute them:
+chunks a = r and b = 2·cp−1−r (`chunks`) and needs S_a and S_b. Two exchanges compute them:
 
 - `"allgather"`: one all-gather of every rank's two summaries [M | U], then each rank folds
   the chunks before b in sequence order. Lowest latency (one collective); each rank
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import all_gather_with_grad
-from .layout import chunk_owner, rank_chunks
+from .chunks import chunk_owner, rank_chunks
 
 Exchange = Literal["auto", "allgather", "scan"]
 EXCHANGES: tuple[str, ...] = ("auto", "allgather", "scan")

@@ -20,7 +20,7 @@ replicated (the lm_head optionally split by vocab). Parameters are plain tensors
 the local slice, so FSDP2 over the `dp_shard_cp` mesh and context parallelism compose
 unchanged. State dicts and optimizer state stay in Transformers' layout.
 
-Modules: `layout` (how a parameter is split; which are), `plan` (the split, its hooks,
+Modules: `splits` (how a parameter is split; which are), `plan` (the split, its hooks,
 the vocab-parallel lm_head), `state_dict` (Transformers' layout, optimizer state,
 full-state loading), `clipping` (`clip_grad_norm_`). The vocab-parallel loss lives in
 `qwen35_accel.parallel.losses` (re-exported here), Megatron's f and g (`copy_to_group`,
@@ -29,7 +29,7 @@ full-state loading), `clipping` (`clip_grad_norm_`). The vocab-parallel loss liv
 
 from ..losses import IGNORE_INDEX, VOCAB_GROUP_ATTR, VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
 from .clipping import clip_grad_norm_
-from .layout import TP_GROUP_ATTR, Slicer, tensor_parallel_group, tensor_parallel_numel_elsewhere, tensor_parallel_sliced
+from .splits import TP_GROUP_ATTR, Slicer, tensor_parallel_group, tensor_parallel_numel_elsewhere, tensor_parallel_sliced
 from .plan import (
     TensorParallelRMSNorm,
     TensorParallelRMSNormGated,

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .layout import tensor_parallel_group, tensor_parallel_sliced
+from .splits import tensor_parallel_group, tensor_parallel_sliced
 
 
 @torch.no_grad()

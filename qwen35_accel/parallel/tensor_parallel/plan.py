@@ -26,10 +26,10 @@ from ...model.detect import FAMILIES, Qwen35Parts, qwen35_parts
 from ...model.fp32_gate import HOLDER_NAME
 from ...model.hub_kernels import swap_class
 from ..collectives import copy_to_group, reduce_from_group
-from ..expert_parallel import dispatch_experts
-from ..expert_tensor_parallel import hold_experts_over_tensor_parallel
+from ..expert_parallel.experts import dispatch_experts
+from ..expert_parallel.over_tensor_parallel import hold_experts_over_tensor_parallel
 from ..losses import VOCAB_GROUP_ATTR, VocabParallelCausalLMLoss
-from .layout import _COLS, LAYOUTS_ATTR, TP_GROUP_ATTR, _rows, _Sliced
+from .splits import _COLS, LAYOUTS_ATTR, TP_GROUP_ATTR, _rows, _Sliced
 from .state_dict import _gather_hook, _slice_hook
 
 
@@ -227,7 +227,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, parts: Qwen3
     """Split a Qwen3.5 model's decoder layers by heads over `tp_mesh`, in place (MoE: the shared
     expert as the dense MLP, the routed experts whole over the tp ranks, `expert_parallel.dispatch_experts`;
     with `ep_mesh`, the dense FSDP2 mesh, each tp rank's experts split over it too and reached by
-    all-to-all: `expert_tensor_parallel`, computing in `expert_compute_dtype`).
+    all-to-all: `expert_parallel.over_tensor_parallel`, computing in `expert_compute_dtype`).
 
     PEFT LoRA layers are split with their base (`_with_adapters`); DoRA, `lora_bias` and
     other PEFT tuners raise NotImplementedError naming the layer.

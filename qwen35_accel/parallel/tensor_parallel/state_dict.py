@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ...model.fp32_gate import transformers_name
-from .layout import _Sliced, _split_entries
+from .splits import _Sliced, _split_entries
 
 
 def _to_transformers_layout(local: torch.Tensor, sliced: _Sliced, group: dist.ProcessGroup) -> torch.Tensor:

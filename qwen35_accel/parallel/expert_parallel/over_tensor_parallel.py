@@ -40,8 +40,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from .collectives import copy_to_group, reduce_from_group
-from .moe import EXPERT_WEIGHTS
+from ..collectives import copy_to_group, reduce_from_group
+from .router import EXPERT_WEIGHTS
 
 HELD_ATTR = "_qwen35_experts_held"  # on experts split here: (ep, tp); FSDP2 leaves their weights alone
 

@@ -32,11 +32,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Shard
 
-from ..model.detect import Qwen35Parts
-from .expert_tensor_parallel import _check_over_tensor_parallel, describe_held
-from .fsdp import shard_unit
-from .mesh import ParallelDims
-from .moe import EXPERT_WEIGHTS
+from ...model.detect import Qwen35Parts
+from .over_tensor_parallel import _check_over_tensor_parallel, describe_held
+from ..fsdp import shard_unit
+from ..mesh import ParallelDims
+from .router import EXPERT_WEIGHTS
 
 # The expert view of the data-parallel ranks: replicas, the FSDP2 shard dim of the experts, the
 # expert-parallel dim, and the ranks sharing one batch (1 without TP: AllToAllEP's `tp_mesh`).

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .config import PlanError, dtype_bytes
-from .step import Precision
+from .step_inputs import Precision
 
 
 def meta_model(config: Any, vision_tower: str, mixed_precision: str) -> tuple[Any, Any, Any, Precision]:
@@ -134,10 +134,10 @@ def unit_rows(net: Any, units: list[tuple[list[str], Any]], shards: int, tp: int
 
 
 def held_expert_rows(net: Any, tp: int, compute: Any) -> list[dict[str, Any]]:
-    """One row per experts module held by ep × tp (`expert_tensor_parallel`: no FSDP2 unit; each
+    """One row per experts module held by ep × tp (`expert_parallel.over_tensor_parallel`: no FSDP2 unit; each
     rank holds its whole experts, listed with the units so the bytes add up). `compute`: the
     policy's param dtype (None: the storage's)."""
-    from ..parallel.expert_tensor_parallel import HELD_ATTR
+    from ..parallel.expert_parallel.over_tensor_parallel import HELD_ATTR
 
     rows = []
     for name, module in net.named_modules():

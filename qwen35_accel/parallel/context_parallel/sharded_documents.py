@@ -21,7 +21,7 @@ import torch
 
 from ...ops.causal_conv import seq_idx_to_cu_seqlens
 from ...ops.documents import document_groups
-from .layout import local_positions
+from .chunks import local_positions
 
 DOCUMENTS_KWARG = "qwen35_sharded_documents"
 

@@ -45,8 +45,8 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..collectives import all_gather_flat, all_gather_with_grad
-from ..vision import _as_kwargs, _inner_vlm, placeholder_image
-from .layout import local_positions, shard_sequence, unshard_sequence
+from ..vision_placeholder import _as_kwargs, _inner_vlm, placeholder_image
+from .chunks import local_positions, shard_sequence, unshard_sequence
 
 CP_VISION_HOOK_ATTR = "_qwen35_cp_vision_hook"
 
@@ -187,7 +187,7 @@ def install_context_parallel_vision(model: nn.Module, group: dist.ProcessGroup) 
     """Split a VLM's image/video encoding over the cp `group` (see the module docstring).
 
     `model`: a `Qwen3_5ForConditionalGeneration` or `Qwen3_5Model` (possibly PEFT-wrapped).
-    The hook runs before the mixed-batch placeholder hook (`parallel/vision.py`), which then
+    The hook runs before the mixed-batch placeholder hook (`parallel/vision_placeholder.py`), which then
     stands aside for calls it has encoded. Idempotent; returns True when installed by this call.
     """
     inner = _inner_vlm(model)

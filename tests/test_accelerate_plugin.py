@@ -471,3 +471,34 @@ def test_activation_when_the_trainer_module_imports_accelerate_first():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, QWEN35_ACCEL="1"))
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def _fsdp1_worker(rank: int, world: int) -> None:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=1))
+        # No accelerator: FSDP1 has no CPU path, so it stays Accelerate's MULTI_CPU (before: the plugin made it FSDP
+        # and FSDP1 crashed on "Inconsistent compute device and device_id on rank 0: cpu vs cpu:0").
+        assert accelerator.distributed_type == DistributedType.MULTI_CPU
+        with pytest.raises(ValueError, match=r"Qwen3_5ForCausalLM under FSDP v1 .*`accelerate to-fsdp2 --config_file"):
+            accelerator.prepare(build_tiny_causal_lm(seed=0))
+        llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2))
+        accelerator.prepare(llama)  # another model: stock (DDP here)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_fsdp1_is_refused_for_qwen35_on_every_rank_and_left_stock_for_other_models(monkeypatch):
+    """FSDP v1 (issue 60): a Qwen3.5 model is refused with the reason and the command that converts the YAML;
+    another model keeps Accelerate's path; on CPU no crash from the plugin's CPU backend."""
+    run_world(_fsdp1_worker, 2)

@@ -275,6 +275,24 @@ def test_plan_with_an_impossible_config_prints_one_line_naming_the_fix_and_exits
     assert "this model takes tp sizes [1, 2]" in result.stderr
 
 
+def test_plan_of_a_deepspeed_or_fsdp1_yaml_says_that_run_is_not_laid_out_as_fsdp2(tmp_path):
+    """A plan of FSDP2 units for a run that goes through DeepSpeed or FSDP v1 would describe a run that
+    does not happen (issue 60): refused, naming the engine and the way to a plan."""
+    from qwen35_accel.plan import PlanError, plan
+
+    fsdp1 = tmp_path / "fsdp1.yaml"
+    fsdp1.write_text((CONFIGS / "cpu_fsdp2.yaml").read_text().replace("  fsdp_version: 2\n", ""))  # Accelerate's default: 1
+    deepspeed = tmp_path / "zero3.yaml"
+    deepspeed.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_machines: 1\n"
+        "num_processes: 2\ndeepspeed_config:\n  zero_stage: 3\n"
+    )
+    with pytest.raises(PlanError, match=r"runs FSDP v1 \(fsdp_version: 1\).*accelerate to-fsdp2 --config_file"):
+        plan("tiny", str(fsdp1))
+    with pytest.raises(PlanError, match=r"runs DeepSpeed \(distributed_type: DEEPSPEED\), which qwen35_accel does not prepare"):
+        plan("tiny", str(deepspeed))
+
+
 def test_env_with_an_unsupported_accelerate_says_why_the_plugin_is_off(monkeypatch, capsys):
     """What `env` prints in a process where Accelerate 1.14 is installed: the plugin's
     install() refuses that version, so no patch point is active."""

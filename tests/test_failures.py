@@ -72,3 +72,20 @@ def test_a_corrupt_checkpoint_on_one_rank_ends_the_resumed_launch_within_the_bou
     # longer than a whole successful two-step launch.
     assert took < normal + BOUND_S, f"failed launch took {took:.1f} s, a normal one {normal:.1f} s\n{describe(result)}"
     assert not result.leftover_processes, describe(result)
+
+
+def test_an_fsdp1_cpu_launch_of_qwen35_is_refused_on_every_rank_with_the_conversion(tmp_path):
+    """`fsdp_version: 1` (Accelerate's default when a YAML names none) on CPU, an unchanged recipe: every rank
+    raises the reason and the command that converts the YAML (before: the plugin made it FSDP on CPU and
+    FSDP1 crashed on "Inconsistent compute device and device_id on rank 0: cpu vs cpu:0")."""
+    from qwen35_accel.testing.launch import CONFIGS, assert_refused_on_every_rank
+
+    config = tmp_path / "cpu_fsdp1.yaml"
+    # As `accelerate config` writes an FSDP1 YAML (no parallelism_config), sync_module_states off: with it on,
+    # Accelerate itself refuses FSDP1 on CPU before any model exists.
+    yaml = (CONFIGS / "cpu_fsdp2.yaml").read_text()
+    yaml = yaml[: yaml.index("parallelism_config:")].replace("fsdp_version: 2", "fsdp_version: 1\n  fsdp_sync_module_states: false")
+    config.write_text(yaml)
+    result = run_launch(accelerate_launch_command(config, RECIPE, *ARGS, "--max_steps", "1", "--output_dir", str(tmp_path / "out")))
+    assert "an FSDP v1 config runs as DDP over gloo" in result.stderr, describe(result)
+    assert_refused_on_every_rank(result, "ValueError", "qwen35_accel: Qwen3_5ForCausalLM under FSDP v1")

@@ -117,7 +117,8 @@ def prepare_backend(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def accelerator_state_init(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Patch of `AcceleratorState.__init__`: MULTI_CPU with an FSDP plugin becomes FSDP."""
+    """Patch of `AcceleratorState.__init__`: MULTI_CPU with an FSDP2 plugin becomes FSDP; an FSDP1
+    plugin stays Accelerate's MULTI_CPU (DDP over gloo), said once."""
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -131,6 +132,13 @@ def accelerator_state_init(original: Callable[..., Any]) -> Callable[..., Any]:
             and no_accelerator()
             and PluginSettings.from_env().cpu_fsdp
         ):
+            if fsdp_plugin.fsdp_version != 2:  # FSDP1 has no CPU path: Accelerate's own MULTI_CPU (DDP over gloo)
+                main_process_note(
+                    "no accelerator found: an FSDP v1 config runs as DDP over gloo (Accelerate's MULTI_CPU; FSDP v1 has "
+                    "no CPU path). qwen35_accel runs FSDP2 on CPU: `accelerate to-fsdp2 --config_file CONFIG "
+                    "--output_file NEW` converts the YAML"
+                )
+                return
             from accelerate.state import PartialState
 
             self.distributed_type = DistributedType.FSDP

@@ -32,7 +32,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     ),
     PatchPoint(
         "accelerate.state", "AcceleratorState.__init__", cpu_backend.accelerator_state_init, ACCELERATE,
-        "then MULTI_CPU with an FSDP plugin becomes DistributedType.FSDP (stock ignores the plugin on CPU)",
+        "then MULTI_CPU with an FSDP2 plugin becomes DistributedType.FSDP (stock ignores the plugin on CPU); an FSDP1 "
+        "plugin stays MULTI_CPU (FSDP1 has no CPU path), said once",
     ),
     PatchPoint(
         "accelerate.accelerator", "Accelerator.__init__", activation.accelerator_init, ACCELERATE,
@@ -47,7 +48,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     ),
     PatchPoint(
         "accelerate.accelerator", "Accelerator.prepare_model", preparation.prepare_model, ACCELERATE,
-        "dense Qwen3.5 without FSDP (one process, DDP): fp32 gate holders before Accelerate wraps the model, the "
+        "Qwen3.5 under FSDP v1: refused on every rank, naming accelerate to-fsdp2; without FSDP (one process, DDP): fp32 gate holders before Accelerate wraps the model, the "
         "checkpoint's fp32 gate values read back after a bf16 load (stock: the gates train as loaded, bf16 for a "
         "bf16 load)",
     ),

@@ -372,6 +372,39 @@ def _note_restored_gates(model: nn.Module) -> None:
         )
 
 
+def fsdp1_asked(accelerator: Any) -> bool:
+    """The run asks for FSDP v1: Accelerate's FSDP with an FSDP1 plugin, or (on a machine without
+    accelerators, where Accelerate runs it as MULTI_CPU) an FSDP launch whose `FSDP_VERSION` is not 2."""
+    import os
+
+    from accelerate.utils import DistributedType
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return plugin is not None and plugin.fsdp_version != 2
+    launched_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return accelerator.distributed_type == DistributedType.MULTI_CPU and launched_fsdp and os.environ.get(
+        "FSDP_VERSION", "1") != "2"
+
+
+def refuse_fsdp1(accelerator: Any, model: nn.Module) -> None:
+    """ValueError on every rank for a Qwen3.5 model under FSDP v1 (the decision reads only the
+    configuration): FSDP1 flattens each unit into one tensor of one dtype, so it refuses the fp32
+    gates beside bf16 weights, or under a bf16 policy computes them bf16-rounded."""
+    if not fsdp1_asked(accelerator):
+        return
+    from ..model.detect import unwrap_qwen35
+
+    raise ValueError(
+        f"qwen35_accel: {type(unwrap_qwen35(model)).__name__} under FSDP v1 (fsdp_version: 1, Accelerate's default "
+        "when the YAML names none): FSDP1 flattens each unit into one tensor of one dtype, so it refuses the fp32 "
+        "A_log/dt_bias beside bf16 weights ('Must flatten tensors with uniform dtype') or, under bf16, computes the "
+        "decay gates from bf16-rounded values. qwen35_accel prepares Qwen3.5 with FSDP2: convert the YAML with "
+        "`accelerate to-fsdp2 --config_file CONFIG --output_file NEW` (or set fsdp_version: 2; with the Trainer's "
+        "--fsdp, fsdp_config={'version': 2}). QWEN35_ACCEL=0 leaves the run to stock Accelerate."
+    )
+
+
 def _without_fsdp(accelerator: Any, model: nn.Module) -> bool:
     """Accelerate prepares `model` without FSDP, DeepSpeed or Megatron (one process, DDP), and
     nothing has sharded it (no DTensor parameters: Transformers' load-time TP/FSDP, FSDP2)."""
@@ -402,6 +435,8 @@ def prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def wrapper(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if is_qwen35_module(model):
+            refuse_fsdp1(self, model)
         if is_qwen35_module(model) and _without_fsdp(self, model):
             _refuse_expert_parallelism(model, f"Accelerate prepares this run without FSDP ({self.distributed_type})")
         if is_qwen35_module(model) and _without_fsdp(self, model) and _fp32_gates_wanted(model):

@@ -24,6 +24,7 @@ from typing import Any
 from .config import (
     VISION_TOWER_CHOICES,
     PlanError,
+    check_engine,
     host_memory_option,
     load_yaml,
     memory_options,
@@ -126,6 +127,7 @@ def plan(
 
     started = time.perf_counter()
     cluster = load_yaml(config)
+    check_engine(cluster, config)
     sizes, run = mesh_sizes(cluster), planned_run(cluster, backend)
     mixed = str(cluster.mixed_precision or "no").lower()
     checkpointing, offload, reshard = _fsdp_choices(cluster)

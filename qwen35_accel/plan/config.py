@@ -30,6 +30,26 @@ def load_yaml(path: str) -> Any:
     return load_config_from_file(path)
 
 
+def check_engine(cluster: Any, path: str) -> None:
+    """PlanError for a YAML whose run qwen35_accel does not lay out as FSDP2 units: DeepSpeed (its ZeRO
+    casts the gates to bf16; not prepared yet) and FSDP v1 (refused for Qwen3.5 models at prepare).
+    A plan of FSDP2 units for them would describe a run that does not happen."""
+    distributed = str(getattr(cluster.distributed_type, "value", cluster.distributed_type))
+    if distributed == "DEEPSPEED":
+        raise PlanError(
+            f"{path} runs DeepSpeed (distributed_type: DEEPSPEED), which qwen35_accel does not prepare yet (ZeRO casts "
+            "A_log/dt_bias to bf16, docs/limits.md); `plan` lays out the FSDP2 runs it prepares: pass an FSDP2 YAML "
+            "(accelerate_configs/fsdp2.yaml)"
+        )
+    version = str((cluster.fsdp_config or {}).get("fsdp_version", "1"))
+    if distributed == "FSDP" and version != "2":
+        raise PlanError(
+            f"{path} runs FSDP v1 (fsdp_version: {version}), which qwen35_accel refuses for Qwen3.5 models (one dtype "
+            f"per flattened unit: the gates would be refused or bf16-rounded); convert it with `accelerate to-fsdp2 "
+            f"--config_file {path} --output_file NEW` and plan that"
+        )
+
+
 def mesh_sizes(cluster: Any) -> dict[str, int]:
     """{"world", "dp_replicate", "dp_shard", "cp", "tp"} from the YAML's `num_processes` and
     `parallelism_config` (dp_shard takes what the others leave when it is not given)."""

@@ -10,6 +10,7 @@ active and why not (`status()`). The public names are in `accelerate.py`.
 from __future__ import annotations
 
 from . import (
+    accelerator_prepare_model,
     activation,
     checkpoints,
     cpu_backend,
@@ -47,7 +48,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "(stock: 'Only one model is supported when using FSDP2')",
     ),
     PatchPoint(
-        "accelerate.accelerator", "Accelerator.prepare_model", preparation.prepare_model, ACCELERATE,
+        "accelerate.accelerator", "Accelerator.prepare_model", accelerator_prepare_model.prepare_model, ACCELERATE,
         "Qwen3.5 under FSDP v1: refused on every rank, naming accelerate to-fsdp2; without FSDP (one process, DDP): fp32 gate holders before Accelerate wraps the model, the "
         "checkpoint's fp32 gate values read back after a bf16 load (stock: the gates train as loaded, bf16 for a "
         "bf16 load)",

@@ -5,7 +5,7 @@
 settings and the accelerator's mesh (`prepare_qwen35_fsdp2`); `fsdp2_apply_ac` steps
 aside (the parallelizer checkpoints each decoder layer and trainable vision block);
 `prepare_tp` / `prepare_cp` skip Accelerate's own TP and CP paths, which the parallelizer
-replaces. `prepare_model` holds the gates in fp32 where no FSDP runs (one process, DDP).
+replaces. `accelerator_prepare_model.prepare_model` holds the gates in fp32 where no FSDP runs (one process, DDP).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .compilation import compile_prepared, take_over_compile
 from .notices import main_process_note
 from .prepared_line import experts_note, hub_kernels_note, loss_in_effect, mixed_precision_note
 from .settings import PluginSettings, check_same_on_every_rank
-from .targets import is_plugin_fsdp2_module, is_qwen35_module, prepared_by_accelerate, the_model
+from .targets import is_plugin_fsdp2_module, prepared_by_accelerate, the_model
 
 if TYPE_CHECKING:
     from ..model.detect import Qwen35Parts
@@ -44,7 +44,7 @@ def prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
             # Before Accelerate records parameter names for the optimizer mapping; the
             # Parameter objects themselves are kept, so the optimizer stays valid.
             install_fp32_gate(model)
-            _note_restored_gates(model)
+            note_restored_gates(model)
             _present_layer_classes_only(self.state.fsdp_plugin, model)
         result = original(self, *args)
         if model is not None and prepared_by_accelerate(model):
@@ -79,7 +79,7 @@ def _present_layer_classes_only(plugin: Any, model: nn.Module) -> None:
             plugin.transformer_cls_names_to_wrap = names
 
 
-def _refuse_expert_parallelism(model: nn.Module, why: str) -> None:
+def refuse_expert_parallelism(model: nn.Module, why: str) -> None:
     """QWEN35_ACCEL_EP > 1 where the plugin's FSDP2 path does not run: raise (on every rank: the
     settings are every rank's) rather than train every expert on every rank silently."""
     ep = PluginSettings.from_env(strict=True).ep
@@ -358,7 +358,7 @@ def prepare_cp(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _note_restored_gates(model: nn.Module) -> None:
+def note_restored_gates(model: nn.Module) -> None:
     """One line when `install_fp32_gate` took gate values back from the checkpoint (a bf16 load)."""
     from ..model.detect import unwrap_qwen35
     from ..model.fp32_gate import RESTORED_GATES_ATTR
@@ -370,88 +370,3 @@ def _note_restored_gates(model: nn.Module) -> None:
             f"{restored} GatedDeltaNet gate tensors (A_log/dt_bias) were loaded below fp32; their fp32 values were read "
             f"back, bitwise, from {source}"
         )
-
-
-def fsdp1_asked(accelerator: Any) -> bool:
-    """The run asks for FSDP v1: Accelerate's FSDP with an FSDP1 plugin, or (on a machine without
-    accelerators, where Accelerate runs it as MULTI_CPU) an FSDP launch whose `FSDP_VERSION` is not 2."""
-    import os
-
-    from accelerate.utils import DistributedType
-
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if accelerator.distributed_type == DistributedType.FSDP:
-        return plugin is not None and plugin.fsdp_version != 2
-    launched_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    return accelerator.distributed_type == DistributedType.MULTI_CPU and launched_fsdp and os.environ.get(
-        "FSDP_VERSION", "1") != "2"
-
-
-def refuse_fsdp1(accelerator: Any, model: nn.Module) -> None:
-    """ValueError on every rank for a Qwen3.5 model under FSDP v1 (the decision reads only the
-    configuration): FSDP1 flattens each unit into one tensor of one dtype, so it refuses the fp32
-    gates beside bf16 weights, or under a bf16 policy computes them bf16-rounded."""
-    if not fsdp1_asked(accelerator):
-        return
-    from ..model.detect import unwrap_qwen35
-
-    raise ValueError(
-        f"qwen35_accel: {type(unwrap_qwen35(model)).__name__} under FSDP v1 (fsdp_version: 1, Accelerate's default "
-        "when the YAML names none): FSDP1 flattens each unit into one tensor of one dtype, so it refuses the fp32 "
-        "A_log/dt_bias beside bf16 weights ('Must flatten tensors with uniform dtype') or, under bf16, computes the "
-        "decay gates from bf16-rounded values. qwen35_accel prepares Qwen3.5 with FSDP2: convert the YAML with "
-        "`accelerate to-fsdp2 --config_file CONFIG --output_file NEW` (or set fsdp_version: 2; with the Trainer's "
-        "--fsdp, fsdp_config={'version': 2}). QWEN35_ACCEL=0 leaves the run to stock Accelerate."
-    )
-
-
-def _without_fsdp(accelerator: Any, model: nn.Module) -> bool:
-    """Accelerate prepares `model` without FSDP, DeepSpeed or Megatron (one process, DDP), and
-    nothing has sharded it (no DTensor parameters: Transformers' load-time TP/FSDP, FSDP2)."""
-    from accelerate.utils import DistributedType
-    from torch.distributed.tensor import DTensor
-
-    sharding = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
-    if accelerator.distributed_type in sharding or getattr(model, "_is_accelerate_prepared", False):
-        return False
-    return not any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def _fp32_gates_wanted(model: nn.Module) -> bool:
-    """The gates are stored below fp32 (a bf16 load) and `QWEN35_ACCEL_FP32_GATES` is on."""
-    from ..model.fp32_gate import rounded_gate_dtypes
-
-    return bool(rounded_gate_dtypes(model)) and PluginSettings.from_env(strict=True).fp32_gates
-
-
-def prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
-    """The wrapper of `Accelerator.prepare_model`: a Qwen3.5 model (dense or MoE) prepared without FSDP whose
-    gates are stored below fp32 (a bf16 load) gets the fp32 gate holders (`install_fp32_gate`)
-    before Accelerate wraps it (autocast, DDP): the gates take the checkpoint's fp32 values back,
-    train in fp32 and are saved in fp32. The Parameter objects are kept, so an optimizer made
-    before `prepare` stays valid. Gates already in fp32 are left to Transformers' own layer, which
-    computes the gate in fp32 under any autocast: nothing to fix, and one-process runs stay the
-    unmodified model. `QWEN35_ACCEL_FP32_GATES=0` leaves bf16 gates as loaded."""
-
-    @functools.wraps(original)
-    def wrapper(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if is_qwen35_module(model):
-            refuse_fsdp1(self, model)
-        if is_qwen35_module(model) and _without_fsdp(self, model):
-            _refuse_expert_parallelism(model, f"Accelerate prepares this run without FSDP ({self.distributed_type})")
-        if is_qwen35_module(model) and _without_fsdp(self, model) and _fp32_gates_wanted(model):
-            from ..model.detect import unwrap_qwen35
-            from ..model.fp32_gate import install_fp32_gate
-
-            converted = install_fp32_gate(model)  # every GatedDeltaNet: none held its gates in fp32 yet
-            if converted:
-                how = "DDP" if self.num_processes > 1 else "one process"
-                main_process_note(
-                    f"{type(unwrap_qwen35(model)).__name__} prepared by qwen35_accel without FSDP ({how}): GatedDeltaNet "
-                    f"gates A_log/dt_bias held in fp32 in {converted} layers (trained, computed and saved in fp32 under any "
-                    "mixed precision; QWEN35_ACCEL_FP32_GATES=0 leaves them as loaded)"
-                )
-                _note_restored_gates(model)
-        return original(self, model, *args, **kwargs)
-
-    return wrapper

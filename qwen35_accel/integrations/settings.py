@@ -10,10 +10,10 @@ dense Qwen3.5 model (`from_env(strict=True)`), so it never stops another model's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Any
 
 ENV_PREFIX = "QWEN35_ACCEL"
 def _knob(default: object, help: str) -> dataclasses.Field:
@@ -184,15 +184,30 @@ def _warn_unknown_once(unknown: list[str], message: str) -> None:
         )
 
 
-_CHOICES = {
-    "frozen_multimodal_sharding": ("root", "replicate", "shard"),
-    "fp32_holder_units": ("per_layer", "model"),
-    "cp_state_exchange": ("auto", "allgather", "scan"),
-    "tiled_loss": ("off", "recompute", "hold"),
+# The choices of the knobs that only the plugin reads; those `PARALLELIZER.apply` takes as well are
+# declared once, beside the code that acts on them (`_choices`).
+_PLUGIN_CHOICES = {
     "rl_generation": ("replicated", "split"),
     "distributed_config": ("plugin", "check", "stock"),
-    "moe_balance": ("rank", "global"),
 }
+
+
+@functools.cache
+def _choices() -> dict[str, tuple[str, ...]]:
+    """Every choice knob's choices: the plugin's own, and the parallelizer's from their declarations."""
+    from ..parallel.context_parallel.state_exchange import EXCHANGES
+    from ..parallel.expert_parallel.router import BALANCE_CHOICES
+    from ..parallel.options import FP32_HOLDER_UNITS_CHOICES, FROZEN_MULTIMODAL_SHARDING_CHOICES
+    from ..parallel.tiled_loss import TILED_LOSS_CHOICES
+
+    return {
+        "frozen_multimodal_sharding": FROZEN_MULTIMODAL_SHARDING_CHOICES,
+        "fp32_holder_units": FP32_HOLDER_UNITS_CHOICES,
+        "cp_state_exchange": EXCHANGES,
+        "tiled_loss": TILED_LOSS_CHOICES,
+        "moe_balance": BALANCE_CHOICES,
+        **_PLUGIN_CHOICES,
+    }
 # Choice knobs that were booleans: their boolean spellings still work (true: the first choice after "off").
 _FORMERLY_BOOLEAN = {"tiled_loss": {True: "recompute", False: "off"}}
 
@@ -211,9 +226,9 @@ def _parse(env_name: str, field: dataclasses.Field, raw: str) -> object:
         if number < 0:
             raise ValueError(f"{env_name}={raw!r}: expected a non-negative integer")
         return number
-    if field.name in _FORMERLY_BOOLEAN and value in _BOOLEAN and value not in _CHOICES[field.name]:
+    if field.name in _FORMERLY_BOOLEAN and value in _BOOLEAN and value not in _choices()[field.name]:
         return _FORMERLY_BOOLEAN[field.name][_BOOLEAN[value]]
-    choices = _CHOICES.get(field.name)
+    choices = _choices().get(field.name)
     if choices is not None and value not in choices:
         raise ValueError(f"{env_name}={raw!r}: expected one of {list(choices)}")
     return value

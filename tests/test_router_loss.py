@@ -12,27 +12,29 @@ those launches (dp 2, cp 2, ep 2, dp 2 x cp 2).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 STEPS, ROWS, LENGTH, COEF = 2, 4, 24, 0.05
 
 
-def _train(tmp_path, coefficient: float, accumulation: int, stock: bool, monkeypatch, vlm: bool = False
+def _train(tmp_path, coefficient: float, accumulation: int, stock: bool, monkeypatch, family: str = "moe"
            ) -> tuple[list[dict], dict]:
-    """`STEPS` SGD steps of the tiny MoE (the VLM class with `vlm`; router's loss on at `coefficient`)
+    """`STEPS` SGD steps of the tiny MoE (`family`: "moe", "vlm" its VLM class, "next" Qwen3-Next; router's
+    loss on at `coefficient`)
     through an unchanged `Trainer`, `ROWS` text rows a step in `accumulation` micro-batches; with
     `stock`, Transformers' own `compute_loss`. Returns the log history and the weights."""
     from transformers import Trainer, TrainingArguments
 
     from qwen35_accel.integrations import accelerate as plugin
-    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, build_tiny_moe_vlm
+    from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, build_tiny_moe_vlm, build_tiny_next_causal_lm
 
     plugin.install()
     patched = Trainer.compute_loss
     assert getattr(patched, "__qwen35_accel_original__", None) is not None, "the plugin's compute_loss point is not installed"
     if stock:
         monkeypatch.setattr(Trainer, "compute_loss", patched.__qwen35_accel_original__)
-    build = build_tiny_moe_vlm if vlm else build_tiny_moe_causal_lm
+    build = {"moe": build_tiny_moe_causal_lm, "vlm": build_tiny_moe_vlm, "next": build_tiny_next_causal_lm}[family]
     model = build(seed=0, output_router_logits=True, router_aux_loss_coef=coefficient)
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.get_text_config().vocab_size - 8  # below the VLM's image and video tokens
@@ -63,13 +65,15 @@ def _assert_same(got: tuple[list[dict], dict], want: tuple[list[dict], dict]) ->
         torch.testing.assert_close(got_weights[name], weight, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_accumulated_micro_batches_add_the_routers_loss_once_per_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["moe", "next"], ids=["qwen3_5_moe", "qwen3_next"])
+def test_accumulated_micro_batches_add_the_routers_loss_once_per_step(tmp_path, monkeypatch, family):
     """One process, 2 micro-batches: the plugin's step equals stock's at coef / 2 (logged loss, grad
     norm, every weight after SGD, the routers included), and differs from stock's at coef (the router
-    term twice: the routers' weights apart by far more than the tolerance)."""
-    plugin = _train(tmp_path / "a", COEF, 2, stock=False, monkeypatch=monkeypatch)
-    _assert_same(plugin, _train(tmp_path / "b", COEF / 2, 2, stock=True, monkeypatch=monkeypatch))
-    twice = _train(tmp_path / "c", COEF, 2, stock=True, monkeypatch=monkeypatch)
+    term twice: the routers' weights apart by far more than the tolerance). Qwen3-Next's forward adds
+    the same term."""
+    plugin = _train(tmp_path / "a", COEF, 2, stock=False, monkeypatch=monkeypatch, family=family)
+    _assert_same(plugin, _train(tmp_path / "b", COEF / 2, 2, stock=True, monkeypatch=monkeypatch, family=family))
+    twice = _train(tmp_path / "c", COEF, 2, stock=True, monkeypatch=monkeypatch, family=family)
     router = "model.layers.0.mlp.gate.weight"
     assert not torch.allclose(twice[1][router], plugin[1][router], rtol=1e-4, atol=0)
 
@@ -87,7 +91,7 @@ def test_the_vlm_class_takes_no_loss_kwargs_and_stays_stock(tmp_path, monkeypatc
     multiplies its loss nor leaves accumulation to it (it divides the whole loss by the micro-batches),
     so stock already counts its router term once per step; the point changes nothing there (2
     micro-batches, stock at the same coefficient, bitwise)."""
-    plugin = _train(tmp_path / "a", COEF, 2, stock=False, monkeypatch=monkeypatch, vlm=True)
-    stock = _train(tmp_path / "b", COEF, 2, stock=True, monkeypatch=monkeypatch, vlm=True)
+    plugin = _train(tmp_path / "a", COEF, 2, stock=False, monkeypatch=monkeypatch, family="vlm")
+    stock = _train(tmp_path / "b", COEF, 2, stock=True, monkeypatch=monkeypatch, family="vlm")
     assert [(e["loss"], e["grad_norm"]) for e in plugin[0]] == [(e["loss"], e["grad_norm"]) for e in stock[0]]
     assert all(torch.equal(plugin[1][k], v) for k, v in stock[1].items())

@@ -17,6 +17,7 @@ from torch import nn
 from transformers.modeling_layers import GenericForSequenceClassification, GenericForTokenClassification
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 # The classes `PARALLELIZER.apply` knows how to shard, by name for error messages.
 SUPPORTED_CLASSES: tuple[type[nn.Module], ...] = (
@@ -32,7 +33,13 @@ MOE_CLASSES: tuple[type[nn.Module], ...] = (
     hf_moe.Qwen3_5MoeTextModel,
     hf_moe.Qwen3_5MoeModel,
 )
-FAMILIES: tuple[str, ...] = ("dense", "moe")
+# Qwen3-Next (`qwen3_next`): the same hybrid stack, its GatedDeltaNet's projections laid out per key-head
+# group (`in_proj_qkvz`, `in_proj_ba`), a sparse MoE block with a shared expert; a causal LM and its text
+# model (no VLM).
+NEXT_CLASSES: tuple[type[nn.Module], ...] = (hf_next.Qwen3NextForCausalLM, hf_next.Qwen3NextModel)
+FAMILIES: tuple[str, ...] = ("dense", "moe", "next")
+# The sparse MoE blocks of the MoE families (router `gate`, routed `experts`, `shared_expert`).
+MOE_BLOCK_CLASSES: tuple[type[nn.Module], ...] = (hf_moe.Qwen3_5MoeSparseMoeBlock, hf_next.Qwen3NextSparseMoeBlock)
 # Heads on a Qwen3.5 backbone (reward models, classifiers): Transformers' generic heads, whose
 # backbone (`model.model`) is a text or base class of either family. Transformers 5.25 builds
 # `Qwen3_5TextForSequenceClassification`, `Qwen3_5ForSequenceClassification` (the VLM's backbone)
@@ -99,17 +106,20 @@ def is_dense_qwen35(model: nn.Module) -> bool:
 
 
 def qwen35_family(model: nn.Module) -> str | None:
-    """"dense", "moe", or None for a model of neither family (wrappers looked through; a
-    classification head takes its backbone's family)."""
+    """"dense", "moe", "next" (Qwen3-Next), or None for a model of no family here (wrappers looked
+    through; a classification head takes its backbone's family)."""
     inner = unwrap_qwen35(model)
     inner = head_backbone(inner) or inner
     if isinstance(inner, SUPPORTED_CLASSES):
         return "dense"
-    return "moe" if isinstance(inner, MOE_CLASSES) else None
+    if isinstance(inner, MOE_CLASSES):
+        return "moe"
+    return "next" if isinstance(inner, NEXT_CLASSES) else None
 
 
 def supported_class_names(families: tuple[str, ...] = ("dense",)) -> str:
-    classes = (SUPPORTED_CLASSES if "dense" in families else ()) + (MOE_CLASSES if "moe" in families else ())
+    classes = ((SUPPORTED_CLASSES if "dense" in families else ()) + (MOE_CLASSES if "moe" in families else ())
+               + (NEXT_CLASSES if "next" in families else ()))
     return ", ".join(cls.__name__ for cls in classes) + " and classification heads on them"
 
 
@@ -118,8 +128,8 @@ class Qwen35Parts:
     """The modules of a Qwen3.5 model that the parallelizer treats specially.
 
     `decoder_layers` are in execution order; `vision_blocks` is empty for text models;
-    `family`: "dense" or "moe" (`qwen35_family`); `moe_blocks`: a MoE model's sparse blocks
-    (router `gate`, routed `experts`, `shared_expert`), one per decoder layer (empty for dense).
+    `family`: "dense", "moe" or "next" (`qwen35_family`); `moe_blocks`: a MoE model's sparse blocks
+    (router `gate`, routed `experts`, `shared_expert`), one per sparse decoder layer (empty for dense).
     """
 
     text_model: nn.Module
@@ -147,11 +157,13 @@ def qwen35_parts(model: nn.Module, families: tuple[str, ...] = ("dense",)) -> Qw
             f"qwen35_accel supports {what} here ({supported_class_names(families)}); "
             f"got {type(model).__module__}.{type(model).__name__}{more}. For other models use Accelerate's own FSDP2 path."
         )
-    # The four classes of each family, in the order of SUPPORTED_CLASSES / MOE_CLASSES.
-    _causal, conditional, text, base = SUPPORTED_CLASSES if family == "dense" else MOE_CLASSES
     head = getattr(model, "score", None) if head_backbone(model) is not None else None
     if head is not None:
         model = head_backbone(model)
+    if family == "next":  # a causal LM or its text model
+        return _parts(model if isinstance(model, hf_next.Qwen3NextModel) else model.model, model, None, family, head)
+    # The four classes of each family, in the order of SUPPORTED_CLASSES / MOE_CLASSES.
+    _causal, conditional, text, base = SUPPORTED_CLASSES if family == "dense" else MOE_CLASSES
     if isinstance(model, text):
         text_model, vision = model, None
     elif isinstance(model, base):
@@ -160,6 +172,10 @@ def qwen35_parts(model: nn.Module, families: tuple[str, ...] = ("dense",)) -> Qw
         text_model, vision = model.model.language_model, model.model.visual
     else:  # the causal LM
         text_model, vision = model.model, None
+    return _parts(text_model, model, vision, family, head)
+
+
+def _parts(text_model: nn.Module, model: nn.Module, vision: nn.Module | None, family: str, head: nn.Module | None) -> Qwen35Parts:
     layers = tuple(text_model.layers)
     return Qwen35Parts(
         text_model=text_model,
@@ -171,6 +187,6 @@ def qwen35_parts(model: nn.Module, families: tuple[str, ...] = ("dense",)) -> Qw
         vision_model=vision,
         vision_blocks=tuple(vision.blocks) if vision is not None else (),
         family=family,
-        moe_blocks=tuple(layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), hf_moe.Qwen3_5MoeSparseMoeBlock)),
+        moe_blocks=tuple(layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), MOE_BLOCK_CLASSES)),
         head=head,
     )

@@ -23,6 +23,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from ..ops.causal_conv import fla_conv_kernel
 from ..ops.documents import per_document
@@ -327,12 +328,32 @@ class Fp32GateMoeGatedDeltaNet(Fp32GateGatedDeltaNet, hf_moe.Qwen3_5MoeGatedDelt
     premise: a Transformers release that changes one fails it before any parity drifts)."""
 
 
+class Fp32GateQwen3NextGatedDeltaNet(Fp32GateGatedDeltaNet, hf_next.Qwen3NextGatedDeltaNet):
+    """Qwen3-Next's GatedDeltaNet with the fp32 gate holder: Qwen3.5's layer but for the input
+    projections, laid out per key-head group (`in_proj_qkvz`, `in_proj_ba`, split by Transformers'
+    `fix_query_key_value_ordering`); the conv, the rule, the gate and the gated output are the same ops."""
+
+    def _project(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As `Fp32GateGatedDeltaNet._project`, from Qwen3-Next's projections: (mixed_qkv [batch,
+        conv_dim, seq], z [batch, seq, v_heads, v_dim], beta and a [batch, seq, v_heads])."""
+        hidden_states = hf_next.apply_mask_to_padding_states(hidden_states, attention_mask)
+        query, key, value, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(hidden_states),
+                                                                       self.in_proj_ba(hidden_states))
+        mixed_qkv = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value)], dim=-1)
+        return mixed_qkv.transpose(1, 2), z, b.sigmoid(), a
+
+
 # Each family's GatedDeltaNet and text decoder, and the fp32-gate class each GatedDeltaNet becomes.
-GATED_DELTA_NET_CLASSES: tuple[type[nn.Module], ...] = (hf.Qwen3_5GatedDeltaNet, hf_moe.Qwen3_5MoeGatedDeltaNet)
-TEXT_MODEL_CLASSES: tuple[type[nn.Module], ...] = (hf.Qwen3_5TextModel, hf_moe.Qwen3_5MoeTextModel)
+GATED_DELTA_NET_CLASSES: tuple[type[nn.Module], ...] = (
+    hf.Qwen3_5GatedDeltaNet, hf_moe.Qwen3_5MoeGatedDeltaNet, hf_next.Qwen3NextGatedDeltaNet,
+)
+TEXT_MODEL_CLASSES: tuple[type[nn.Module], ...] = (hf.Qwen3_5TextModel, hf_moe.Qwen3_5MoeTextModel, hf_next.Qwen3NextModel)
 _FP32_GATE_CLASS: dict[type[nn.Module], type[nn.Module]] = {
     hf.Qwen3_5GatedDeltaNet: Fp32GateGatedDeltaNet,
     hf_moe.Qwen3_5MoeGatedDeltaNet: Fp32GateMoeGatedDeltaNet,
+    hf_next.Qwen3NextGatedDeltaNet: Fp32GateQwen3NextGatedDeltaNet,
 }
 
 

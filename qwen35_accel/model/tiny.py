@@ -18,6 +18,8 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
+from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
 
 
 def tiny_text_config(*, tie_word_embeddings: bool = False, num_hidden_layers: int = 3, **overrides: Any) -> Qwen3_5TextConfig:
@@ -91,6 +93,23 @@ def tiny_moe_text_config(*, num_hidden_layers: int = 3, **overrides: Any) -> Qwe
     return config
 
 
+def tiny_next_config(*, num_hidden_layers: int = 3, **overrides: Any) -> Qwen3NextConfig:
+    """`tiny_moe_text_config`'s shape for Qwen3-Next: 2 GatedDeltaNet layers and a gated attention layer,
+    6 experts, top 2, a shared expert (every layer sparse)."""
+    moe = tiny_moe_text_config(num_hidden_layers=num_hidden_layers).to_dict()
+    kwargs = {key: moe[key] for key in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+        "linear_conv_kernel_dim", "layer_types", "tie_word_embeddings", "max_position_embeddings", "pad_token_id",
+        "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")}
+    kwargs.update(intermediate_size=32, partial_rotary_factor=0.25)
+    kwargs.update(overrides)
+    config = Qwen3NextConfig(**kwargs)
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    return config
+
+
 def tiny_moe_vlm_config(**text_overrides: Any) -> Qwen3_5MoeConfig:
     """`tiny_vlm_config`'s vision tower and tokens around `tiny_moe_text_config`."""
     dense = tiny_vlm_config()
@@ -118,9 +137,9 @@ def randomize_for_parity(model: nn.Module, seed: int) -> nn.Module:
     """
     gen = torch.Generator().manual_seed(seed)
     for module in model.modules():
-        if isinstance(module, hf_moe.Qwen3_5MoeTopKRouter):
+        if isinstance(module, (hf_moe.Qwen3_5MoeTopKRouter, hf_next.Qwen3NextTopKRouter)):
             module.weight.copy_((0.3 * torch.randn(module.weight.shape, generator=gen)).to(module.weight.dtype))
-        if isinstance(module, (hf.Qwen3_5GatedDeltaNet, hf_moe.Qwen3_5MoeGatedDeltaNet)):
+        if isinstance(module, (hf.Qwen3_5GatedDeltaNet, hf_moe.Qwen3_5MoeGatedDeltaNet, hf_next.Qwen3NextGatedDeltaNet)):
             n = module.A_log.numel()
             module.A_log.copy_(torch.empty(n).uniform_(0.002, 0.05, generator=gen).log())
             module.dt_bias.copy_(torch.randn(n, generator=gen) * 0.3)
@@ -157,6 +176,12 @@ def build_tiny_moe_causal_lm(seed: int = 0, *, dtype: torch.dtype = torch.float3
 def build_tiny_moe_vlm(seed: int = 0, *, dtype: torch.dtype = torch.float32, **text_overrides: Any) -> hf_moe.Qwen3_5MoeForConditionalGeneration:
     """Unmodified Transformers `Qwen3_5MoeForConditionalGeneration` (`tiny_moe_vlm_config`), same weights per seed."""
     return _built(hf_moe.Qwen3_5MoeForConditionalGeneration, tiny_moe_vlm_config(**text_overrides), seed, dtype)
+
+
+def build_tiny_next_causal_lm(seed: int = 0, *, dtype: torch.dtype = torch.float32,
+                              **config_overrides: Any) -> hf_next.Qwen3NextForCausalLM:
+    """Unmodified Transformers `Qwen3NextForCausalLM` (`tiny_next_config`), same weights per seed."""
+    return _built(hf_next.Qwen3NextForCausalLM, tiny_next_config(**config_overrides), seed, dtype)
 
 
 def build_tiny_sequence_classifier(seed: int = 0, *, num_labels: int = 1, dtype: torch.dtype = torch.float32,

@@ -12,6 +12,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
 from ..model.tiny import (
     build_tiny_causal_lm,
     build_tiny_moe_causal_lm,
+    build_tiny_next_causal_lm,
     build_tiny_moe_vlm,
     build_tiny_sequence_classifier,
     build_tiny_token_classifier,
@@ -26,6 +27,7 @@ from ..model.tiny import (
 __all__ = [
     "build_tiny_causal_lm",
     "build_tiny_moe_causal_lm",
+    "build_tiny_next_causal_lm",
     "build_tiny_moe_vlm",
     "build_tiny_sequence_classifier",
     "build_tiny_token_classifier",

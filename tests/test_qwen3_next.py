@@ -1,6 +1,6 @@
-"""Qwen3-Next (issue 61, first slice): the third family with a GatedDeltaNet. Its gates take the fp32
-holder and its decoder layers the dtype-uniform FSDP2 units; what is not built for it yet (cp, tp, ep,
-the router's global balance) is refused on every rank. The oracle is the unmodified Transformers
+"""Qwen3-Next (issue 61): the third family with a GatedDeltaNet. Its gates take the fp32 holder, its
+decoder layers the dtype-uniform FSDP2 units, its layers the CP layers; what is not built for it yet (tp,
+ep, the router's global balance, the router's loss under cp) is refused on every rank. The oracle is the unmodified Transformers
 `Qwen3NextForCausalLM` in one process (fp32 rtol 1e-5: ranks sum in another order)."""
 
 from __future__ import annotations
@@ -73,16 +73,51 @@ def _fsdp_worker(rank: int, world: int) -> None:
         got.loss.backward()
         assert assert_grads_match(model, reference) > 0  # routers, experts, shared experts and gates included
         dist.barrier()
-    with pytest.raises(NotImplementedError, match=r"Qwen3-Next .* not yet with context parallelism \(cp=2\)"):
-        PARALLELIZER.apply(build_tiny_next_causal_lm(seed=0), cp_mesh(world, world))  # every rank: the config decides
-    with pytest.raises(NotImplementedError, match=r"expert parallelism \(ep=2\)"):
-        PARALLELIZER.apply(build_tiny_next_causal_lm(seed=0), cp_mesh(world, 1), ep=2)
+    with pytest.raises(NotImplementedError, match=r"Qwen3-Next .* not yet with expert parallelism \(ep=2\)"):
+        PARALLELIZER.apply(build_tiny_next_causal_lm(seed=0), cp_mesh(world, 1), ep=2)  # every rank: the config decides
     dist.barrier()
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_and_hsdp_with_fp32_gate_units_train_as_one_process_and_cp_ep_are_refused():
+def test_fsdp2_and_hsdp_with_fp32_gate_units_train_as_one_process_and_ep_is_refused():
     run_world(_fsdp_worker, 2)
+
+
+def _cp_worker(rank: int, world: int) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.context_parallel import gather_sequence, shard_batch
+    from test_cp_model import cp_mesh
+
+    mesh = cp_mesh(world, world)
+    reference = build_tiny_next_causal_lm(seed=0)
+    model = copy.deepcopy(reference)
+    PARALLELIZER.apply(model, mesh)
+    batch = random_batch(2, 32, reference.config.vocab_size, seed=4)
+    want = reference(**batch)
+    got = model(**shard_batch(batch, mesh["cp"]))  # each rank its two chunks of every row
+    assert_close(got.loss.detach(), want.loss.detach(), "loss")
+    assert_close(gather_sequence(got.logits.detach(), mesh["cp"]), want.logits.detach(), "logits")
+    want.loss.backward()
+    got.loss.backward()
+    assert assert_grads_match(model, reference) > 0
+    # Packed rows under cp: each document as alone, the boundaries anywhere in the chunks.
+    packed, documents = packed_documents([19, 3, 42], reference.config.vocab_size, seed=5)
+    want_logits, want_loss = documents_alone(reference, documents)
+    out = model(**shard_batch(packed, mesh["cp"]))
+    assert_close(out.loss.detach(), want_loss.detach(), "packed loss")
+    assert_close(gather_sequence(out.logits.detach(), mesh["cp"]), want_logits.detach(), "packed logits")
+    with pytest.raises(NotImplementedError, match="Qwen3-Next's router load-balancing loss"):
+        model(**shard_batch(batch, mesh["cp"]), output_router_logits=True)
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_cp2_computes_and_trains_as_one_process_packed_rows_too():
+    """Context parallelism: the GatedDeltaNet's state passing and conv halo after Qwen3-Next's own
+    projections, the attention's K/V all-gather; loss, every token's logits, every gradient (the routers'
+    and experts' included) equal one process; packed rows equal each document alone; the router's loss
+    from chunks refused."""
+    run_world(_cp_worker, 2)
 
 
 def _accelerate_worker(rank: int, world: int) -> None:
@@ -112,3 +147,43 @@ def test_the_plugin_prepares_qwen3_next_with_its_gates_fp32_in_the_forward():
     units, the gate computed from fp32 parameters (before: Accelerate's own path, one bf16 policy)."""
     run_world(_accelerate_worker, 2)
 
+
+
+# An unchanged Trainer script (recipes/sft.py) on a saved tiny Qwen3-Next, batched per config
+# (tests/_launched.py): one process on 4 rows a step against cpu_fsdp2_cp2.yaml (each rank its chunks of the
+# same 4 rows).
+from pathlib import Path  # noqa: E402
+
+from _launched import register  # noqa: E402
+from test_trainer_launch import FIXED_LENGTH, SGD, recipe_run  # noqa: E402
+
+TOKENIZER = Path(__file__).parent.parent / "recipes" / "configs" / "tokenizer"
+
+
+def save_tiny_next(path: Path) -> None:
+    """The tiny Qwen3-Next at the recipe's byte-level vocabulary (pad = eos = 256), with its tokenizer."""
+    build_tiny_next_causal_lm(seed=0, vocab_size=264, pad_token_id=256, eos_token_id=256).save_pretrained(path)
+
+
+NEXT_ARGS = ("--model_name_or_path", "{in}", "--tokenizer_name_or_path", str(TOKENIZER), "--per_device_train_batch_size",
+             "4", *FIXED_LENGTH, *SGD)
+register(**{
+    "next/reference": recipe_run(None, *NEXT_ARGS, setup=save_tiny_next),
+    "next/cp2": recipe_run("cpu_fsdp2_cp2.yaml", *NEXT_ARGS, setup=save_tiny_next),
+})
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.launches("next/reference", "next/cp2")
+def test_the_unchanged_recipe_trains_qwen3_next_under_cp2_as_one_process(launched):
+    """`accelerate launch --config_file cpu_fsdp2_cp2.yaml recipes/sft.py --model_name_or_path <tiny Qwen3-Next>`:
+    prepared by the plugin (fp32 gate units, cp 2; before: Accelerate refused CP for its linear attention),
+    every logged value and the saved weights one process's (SGD, fp32 rtol 1e-5), the gates saved fp32."""
+    from test_trainer_launch import assert_same_training
+
+    run, reference = launched("next/cp2"), launched("next/reference")
+    lines = [line for line in run.stderr.splitlines() if "prepared by qwen35_accel" in line]
+    assert len(lines) == 1 and "Qwen3NextForCausalLM prepared by qwen35_accel" in lines[0], run.stderr[-3000:]
+    assert "fp32 gate holders" in lines[0] and "cp=2" in lines[0], lines[0]
+    assert_same_training(run.out, reference.out, rtol=1e-5)

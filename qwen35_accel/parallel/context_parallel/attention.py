@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from ...model.fp32_gate import COMPILED_STEPS_ATTR
 from ..collectives import all_gather_with_grad
@@ -247,3 +248,8 @@ class ContextParallelAttention(hf.Qwen3_5Attention):
 class ContextParallelMoeAttention(ContextParallelAttention, hf_moe.Qwen3_5MoeAttention):
     """The MoE family's attention under context parallelism: `ContextParallelAttention`'s code
     (Transformers' MoE attention is the dense source with the names mapped, `tests/test_moe.py`)."""
+
+
+class ContextParallelQwen3NextAttention(ContextParallelAttention, hf_next.Qwen3NextAttention):
+    """Qwen3-Next's gated attention under context parallelism: `ContextParallelAttention`'s code
+    (Transformers' Qwen3-Next attention is Qwen3.5's op for op, `tests/test_qwen3_next.py`)."""

@@ -16,7 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...model.fp32_gate import COMPILED_STEPS_ATTR, Fp32GateGatedDeltaNet, Fp32GateMoeGatedDeltaNet
+from ...model.fp32_gate import (
+    COMPILED_STEPS_ATTR,
+    Fp32GateGatedDeltaNet,
+    Fp32GateMoeGatedDeltaNet,
+    Fp32GateQwen3NextGatedDeltaNet,
+)
 from ...ops.causal_conv import ConvKernel, fla_conv_kernel, select_conv_kernel, torch_conv_kernel
 from ...ops.documents import per_document_with_state
 from ...ops.gated_delta import Kernel, chunk_summary, read_state, select_kernel
@@ -252,3 +257,8 @@ class ContextParallelGatedDeltaNet(Fp32GateGatedDeltaNet):
 class ContextParallelMoeGatedDeltaNet(ContextParallelGatedDeltaNet, Fp32GateMoeGatedDeltaNet):
     """The MoE family's GatedDeltaNet under context parallelism: `ContextParallelGatedDeltaNet`'s
     code (the families' layers are one source, `Fp32GateMoeGatedDeltaNet`), the MoE class kept."""
+
+
+class ContextParallelQwen3NextGatedDeltaNet(ContextParallelGatedDeltaNet, Fp32GateQwen3NextGatedDeltaNet):
+    """Qwen3-Next's GatedDeltaNet under context parallelism: `ContextParallelGatedDeltaNet`'s conv and
+    rule across the ranks after Qwen3-Next's own projections (`Fp32GateQwen3NextGatedDeltaNet._project`)."""

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from ...model.detect import FAMILIES, Qwen35Parts, head_backbone, qwen35_parts
 from ...model.fp32_gate import GATED_DELTA_NET_CLASSES, Fp32GateGatedDeltaNet
@@ -34,10 +35,19 @@ from ...model.packing import (
 from ...ops.causal_conv import fla_conv_kernel, select_conv_kernel
 from ..collectives import all_gather_flat
 from ..losses import VOCAB_GROUP_ATTR, CausalLMLoss
-from .attention import SUPPORTED_ATTENTION, ContextParallelAttention, ContextParallelMoeAttention
+from .attention import (
+    SUPPORTED_ATTENTION,
+    ContextParallelAttention,
+    ContextParallelMoeAttention,
+    ContextParallelQwen3NextAttention,
+)
 from .sharded_documents import DOCUMENTS_KWARG, ShardedDocuments, shard_documents
 from .heads import install_context_parallel_head
-from .gated_delta_net import ContextParallelGatedDeltaNet, ContextParallelMoeGatedDeltaNet
+from .gated_delta_net import (
+    ContextParallelGatedDeltaNet,
+    ContextParallelMoeGatedDeltaNet,
+    ContextParallelQwen3NextGatedDeltaNet,
+)
 from .chunks import chunk_owner, unshard_sequence
 from .state_exchange import EXCHANGES
 from .vision_split import install_context_parallel_vision
@@ -200,6 +210,11 @@ def _check_router_loss(module: nn.Module, args: tuple[Any, ...], kwargs: dict[st
         return  # TRL's fused head, wrapped: it reduces the router loss's sums over the cp group itself
     from ..tiled_loss import _tiled_loss_applies
 
+    if isinstance(module, hf_next.Qwen3NextForCausalLM):
+        raise NotImplementedError(
+            "under context parallelism Qwen3-Next's router load-balancing loss (output_router_logits) is not built "
+            "yet (Transformers' would count this rank's chunks alone); train with output_router_logits=False for now"
+        )
     if not _tiled_loss_applies(module, args, kwargs):
         raise NotImplementedError(
             "under context parallelism a Qwen3.5-MoE router's load-balancing loss (output_router_logits) is exact "
@@ -238,7 +253,12 @@ def install_context_parallel(
     """
     parts = parts or qwen35_parts(model, families=FAMILIES)
     check_context_parallel_supported(model)
-    moe = parts.family == "moe"
+    # Each family's CP layers: the same code, its Transformers classes kept.
+    gated_delta_net, attention = {
+        "dense": (ContextParallelGatedDeltaNet, ContextParallelAttention),
+        "moe": (ContextParallelMoeGatedDeltaNet, ContextParallelMoeAttention),
+        "next": (ContextParallelQwen3NextGatedDeltaNet, ContextParallelQwen3NextAttention),
+    }[parts.family]
     if state_exchange not in EXCHANGES:
         raise ValueError(f"state_exchange={state_exchange!r}: expected one of {list(EXCHANGES)}")
     group = cp_mesh.get_group()
@@ -248,10 +268,10 @@ def install_context_parallel(
             if isinstance(module, GATED_DELTA_NET_CLASSES):
                 if not isinstance(module, Fp32GateGatedDeltaNet):
                     raise ValueError("install_fp32_gate must run before install_context_parallel")
-                swap_class(module, ContextParallelMoeGatedDeltaNet if moe else ContextParallelGatedDeltaNet)
+                swap_class(module, gated_delta_net)
                 module.state_exchange = state_exchange
-            elif isinstance(module, (hf.Qwen3_5Attention, hf_moe.Qwen3_5MoeAttention)):
-                swap_class(module, ContextParallelMoeAttention if moe else ContextParallelAttention)
+            elif isinstance(module, (hf.Qwen3_5Attention, hf_moe.Qwen3_5MoeAttention, hf_next.Qwen3NextAttention)):
+                swap_class(module, attention)
             else:
                 continue
             module._cp_group = group

@@ -306,17 +306,15 @@ class Qwen3_5ModelParallelizer:
 
 
 def _check_qwen3_next(dims: ParallelDims, opts: ParallelOptions) -> None:
-    """Qwen3-Next gets the fp32 gate units under FSDP2 / HSDP, CP (and activation checkpointing, packed rows);
+    """Qwen3-Next gets the fp32 gate units under FSDP2 / HSDP, CP, TP and EP (activation checkpointing, packed rows);
     what is not built for it yet is refused on every rank (the choice reads only the configuration)."""
     missing = [what for what, wanted in (
-        (f"tensor parallelism (tp={dims.tp_size}: its in_proj_qkvz is laid out per key-head group)", dims.tp_size > 1),
-        (f"expert parallelism (ep={opts.ep})", opts.ep > 1),
         ("moe_balance='global' (counted in the tiled loss, which Qwen3-Next does not take yet)", opts.moe_balance == "global"),
     ) if wanted]
     if missing:
         raise NotImplementedError(
-            f"qwen35_accel prepares Qwen3-Next (qwen3_next) with fp32 gate units under FSDP2/HSDP and context "
-            f"parallelism; not yet with {', '.join(missing)} (docs/limits.md). Use dp_shard, dp_replicate and cp for now."
+            f"qwen35_accel prepares Qwen3-Next (qwen3_next) with fp32 gate units under dp, cp, tp and ep; not yet "
+            f"with {', '.join(missing)} (docs/limits.md)."
         )
 
 

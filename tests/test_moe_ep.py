@@ -21,10 +21,11 @@ STEPS = 2
 
 
 def _parity(rank: int, world: int, *, ep: int, cp: int, num_experts: int, activation_checkpointing: bool = False,
-            dp_replicate: int = 1, tp: int = 1, activation_offload: bool = False):
+            dp_replicate: int = 1, tp: int = 1, activation_offload: bool = False, build=None):
     """`world` ranks, cp `cp`, the rest dp (`dp_replicate` of it replicas: HSDP); each dp rank's
     rows against one process on them (the router's loss per rank: stock's meaning under dp),
-    `STEPS` SGD steps. Returns (model, reference). Also test_moe's FSDP2 parity (ep 1)."""
+    `STEPS` SGD steps. Returns (model, reference). Also test_moe's FSDP2 parity (ep 1). `build`: the
+    tiny model's builder (default `build_tiny_moe_causal_lm`)."""
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import shard_batch
     from qwen35_accel.parallel.context_parallel.chunks import unshard_sequence
@@ -34,8 +35,9 @@ def _parity(rank: int, world: int, *, ep: int, cp: int, num_experts: int, activa
     from test_fsdp_parity import accelerate_style_mesh
     from test_tensor_parallel import mesh_for
 
-    reference = build_tiny_moe_causal_lm(seed=0, output_router_logits=True, num_experts=num_experts)
-    model = build_tiny_moe_causal_lm(seed=0, output_router_logits=True, num_experts=num_experts)
+    build = build or build_tiny_moe_causal_lm  # or another MoE family's builder (Qwen3-Next)
+    reference = build(seed=0, output_router_logits=True, num_experts=num_experts)
+    model = build(seed=0, output_router_logits=True, num_experts=num_experts)
     if tp > 1:
         mesh = mesh_for(world, world // cp // tp, cp, tp)
     else:
@@ -116,7 +118,7 @@ def _world2(rank: int, world: int) -> None:
         PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0, num_experts=8), cp_mesh(world, 1), ep=4)
     with pytest.raises(ValueError, match=r"ep=2 does not divide the model's 5 experts per layer"):
         PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0, num_experts=5), cp_mesh(world, 1), ep=2)
-    with pytest.raises(ValueError, match=r"expert parallelism needs a Qwen3.5-MoE model; this one is dense"):
+    with pytest.raises(ValueError, match=r"expert parallelism needs a MoE model \(Qwen3.5-MoE, Qwen3-Next\); this one is dense"):
         PARALLELIZER.apply(build_tiny_causal_lm(seed=0), cp_mesh(world, 1), ep=2)
     with pytest.raises(ValueError, match=r"ep=2 does not divide the 1 ranks of dp_shard x cp .*\(world 2 = dp_replicate 1 "
                        r"x dp_shard x cp 1 x tp 2\)"):
@@ -130,7 +132,7 @@ def _world2(rank: int, world: int) -> None:
     assert _applies(SimpleNamespace(model=build_tiny_causal_lm(seed=0), accelerator=under_cp)) is not None
     with pytest.raises(NotImplementedError, match=r"\(GRPO/RLOO\) on a Qwen3.5-MoE model under cp or tp is not built"):
         _applies(SimpleNamespace(model=build_tiny_moe_causal_lm(seed=0), accelerator=under_cp))
-    with pytest.raises(NotImplementedError, match=r"a vocab-parallel lm_head is not built for Qwen3.5-MoE"):
+    with pytest.raises(NotImplementedError, match=r"a vocab-parallel lm_head is not built for the MoE models \(Qwen3.5-MoE, Qwen3-Next\)"):
         PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), mesh_for(world, 1, 1, 2), vocab_parallel_lm_head=True)
     with pytest.raises(ValueError, match=r"tp size 2 must divide .*num_experts = 5"):
         PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0, num_experts=5), mesh_for(world, 1, 1, 2))

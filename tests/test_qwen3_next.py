@@ -1,6 +1,6 @@
 """Qwen3-Next (issue 61): the third family with a GatedDeltaNet. Its gates take the fp32 holder, its
-decoder layers the dtype-uniform FSDP2 units, its layers the CP layers; what is not built for it yet (tp,
-ep, the router's global balance, the router's loss under cp) is refused on every rank. The oracle is the unmodified Transformers
+decoder layers the dtype-uniform FSDP2 units, its layers the CP and TP layers, its experts EP; what is not
+built for it yet (the router's global balance, the router's loss under cp) is refused on every rank. The oracle is the unmodified Transformers
 `Qwen3NextForCausalLM` in one process (fp32 rtol 1e-5: ranks sum in another order)."""
 
 from __future__ import annotations
@@ -73,14 +73,66 @@ def _fsdp_worker(rank: int, world: int) -> None:
         got.loss.backward()
         assert assert_grads_match(model, reference) > 0  # routers, experts, shared experts and gates included
         dist.barrier()
-    with pytest.raises(NotImplementedError, match=r"Qwen3-Next .* not yet with expert parallelism \(ep=2\)"):
-        PARALLELIZER.apply(build_tiny_next_causal_lm(seed=0), cp_mesh(world, 1), ep=2)  # every rank: the config decides
+    with pytest.raises(NotImplementedError, match=r"Qwen3-Next .* not yet with moe_balance='global'"):
+        PARALLELIZER.apply(build_tiny_next_causal_lm(seed=0), cp_mesh(world, 1), moe_balance="global")  # every rank
     dist.barrier()
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_and_hsdp_with_fp32_gate_units_train_as_one_process_and_ep_is_refused():
+def test_fsdp2_and_hsdp_with_fp32_gate_units_train_as_one_process():
     run_world(_fsdp_worker, 2)
+
+
+def _tp_worker(rank: int, world: int, dp: int) -> None:
+    from qwen35_accel import PARALLELIZER
+    from qwen35_accel.parallel.tensor_parallel import clip_grad_norm_, gather_tensor_parallel
+    from test_tensor_parallel import mesh_for
+
+    from _parity import hf_name
+
+    tp = world // dp
+    reference = build_tiny_next_causal_lm(seed=0)
+    model = copy.deepcopy(reference)
+    PARALLELIZER.apply(model, mesh_for(world, dp, 1, tp))
+    gdn = model.model.layers[0].linear_attn  # whole key-head groups per rank: 1 of 2 key heads, 2 of 4 value heads
+    assert (gdn.num_k_heads, gdn.num_v_heads, gdn.in_proj_qkvz.weight.shape[0]) == (1, 2, reference.model.layers[0].linear_attn.in_proj_qkvz.weight.shape[0] // 2)
+    batch = random_batch(2 * dp, 24, reference.config.vocab_size, seed=6)
+    want = reference(**batch)  # rows of equal length: the mean of the replicas' 2-row means
+    replica = rank // tp  # Accelerate's mesh order (dp, cp, tp): a replica's tp ranks share its rows
+    got = model(**{key: value[2 * replica: 2 * replica + 2] for key, value in batch.items()})
+    with torch.no_grad():
+        assert_close(got.loss.detach(), reference(**{k: v[2 * replica: 2 * replica + 2] for k, v in batch.items()}).loss, "loss")
+    want.loss.backward()
+    got.loss.backward()
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():  # the split parameters gathered to Transformers' layout
+        assert_close(gather_tensor_parallel(model, name, param.grad), reference_params[hf_name(name)].grad, f"grad of {name}")
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+    assert_close(clip_grad_norm_(model, 1e9), norm, "gradient norm")
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world,dp", [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)], ids=["tp2", "dp2xtp2"])
+def test_tp2_splits_whole_key_head_groups_and_trains_as_one_process(world, dp):
+    """Head-parallel TP: the per-key-group `in_proj_qkvz`/`in_proj_ba` rows sliced so each rank holds whole key
+    groups (their query, key, value, z, b and a rows), the conv channels and gates of those heads, the
+    attention's heads, the shared expert's width and half the routed experts; loss, every gradient (gathered
+    to Transformers' layout) and the gradient norm equal one process's; with dp 2 each replica its rows."""
+    run_world(_tp_worker, world, dp)
+
+
+def _ep_worker(rank: int, world: int) -> None:
+    from test_moe_ep import _parity
+
+    # ep 2 over dp 2: each rank 3 of the 6 experts of every layer, the tokens sent to their experts' ranks and
+    # back; each rank's rows against one process on them, SGD steps, every token's experts, every gradient.
+    _parity(rank, world, ep=2, cp=1, num_experts=6, build=build_tiny_next_causal_lm)
+
+
+@pytest.mark.multiprocess
+def test_ep2_routes_and_trains_as_one_process():
+    run_world(_ep_worker, 2)
 
 
 def _cp_worker(rank: int, world: int) -> None:

@@ -55,8 +55,9 @@ def check_expert_parallel(parts: Qwen35Parts, *, ep: int, data_ranks: int, dp_re
         raise ValueError(f"ep={ep!r}: expected a positive integer (1: no expert parallelism)")
     if ep == 1:
         return
-    if parts.family != "moe":
-        raise ValueError(f"ep={ep}: expert parallelism needs a Qwen3.5-MoE model; this one is {parts.family} (no experts)")
+    if not parts.moe_blocks:
+        raise ValueError(f"ep={ep}: expert parallelism needs a MoE model (Qwen3.5-MoE, Qwen3-Next); this one is "
+                         f"{parts.family} (no experts)")
     num_experts = parts.text_model.config.num_experts
     if num_experts % ep:
         raise ValueError(f"ep={ep} does not divide the model's {num_experts} experts per layer: choose an ep that does")

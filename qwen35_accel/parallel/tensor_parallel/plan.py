@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers.activations import ACT2FN
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from ...model.detect import FAMILIES, Qwen35Parts, qwen35_parts
 from ...model.fp32_gate import HOLDER_NAME
@@ -69,7 +70,8 @@ def check_divisible(config: Any, tp: int) -> None:
     }
     if getattr(config, "num_experts", None):  # Qwen3.5-MoE: experts split whole, the shared expert as an MLP
         counts.update(num_experts=config.num_experts, shared_expert_intermediate_size=config.shared_expert_intermediate_size)
-    else:
+    if not getattr(config, "num_experts", None) or getattr(config, "mlp_only_layers", None) or getattr(
+            config, "decoder_sparse_step", 1) != 1:  # dense MLPs (Qwen3-Next's mlp_only_layers too)
         counts["intermediate_size"] = config.intermediate_size
     bad = {name: n for name, n in counts.items() if n % tp}
     if bad:
@@ -109,12 +111,16 @@ def _layouts(layer: nn.Module, config: Any) -> dict[str, _Sliced]:
     if layer.block_type == "linear_attention":
         gdn = layer.linear_attn
         qkv = [gdn.key_dim, gdn.key_dim, gdn.value_dim]
+        if hasattr(gdn, "in_proj_qkvz"):  # Qwen3-Next: rows laid out per key-head group, so a rank's rows are one block
+            out.update({"linear_attn.in_proj_qkvz.weight": _rows(gdn.in_proj_qkvz.weight.shape[0]),
+                        "linear_attn.in_proj_ba.weight": _rows(gdn.in_proj_ba.weight.shape[0])})
+        else:
+            out.update({"linear_attn.in_proj_qkv.weight": _rows(*qkv),
+                        "linear_attn.in_proj_z.weight": _rows(gdn.value_dim),
+                        "linear_attn.in_proj_b.weight": _rows(gdn.num_v_heads),
+                        "linear_attn.in_proj_a.weight": _rows(gdn.num_v_heads)})
         out.update({
-            "linear_attn.in_proj_qkv.weight": _rows(*qkv),
             "linear_attn.conv1d.weight": _rows(*qkv),
-            "linear_attn.in_proj_z.weight": _rows(gdn.value_dim),
-            "linear_attn.in_proj_b.weight": _rows(gdn.num_v_heads),
-            "linear_attn.in_proj_a.weight": _rows(gdn.num_v_heads),
             f"linear_attn.{HOLDER_NAME}.A_log": _rows(gdn.num_v_heads),
             f"linear_attn.{HOLDER_NAME}.dt_bias": _rows(gdn.num_v_heads),
             "linear_attn.out_proj.weight": _COLS,
@@ -263,8 +269,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, parts: Qwen3
             mixer = layer.self_attn
             norms = [mixer.q_norm, mixer.k_norm]
         for norm in norms:
-            # The MoE family's norms are the dense ones' code (tests/test_moe.py holds that premise).
-            gated = isinstance(norm, (hf.Qwen3_5RMSNormGated, hf_moe.Qwen3_5MoeRMSNormGated))
+            # The MoE family's and Qwen3-Next's norms are the dense ones' code (tests/test_moe.py, test_qwen3_next.py).
+            gated = isinstance(norm, (hf.Qwen3_5RMSNormGated, hf_moe.Qwen3_5MoeRMSNormGated, hf_next.Qwen3NextRMSNormGated))
             swap_class(norm, TensorParallelRMSNormGated if gated else TensorParallelRMSNorm)
             setattr(norm, TP_GROUP_ATTR, group)
         # A MoE layer's f/g wrap the shared expert only: its router and the shared expert's gate run
@@ -303,9 +309,9 @@ def check_vocab_parallel(model: nn.Module, tp: int, *, parts: Qwen35Parts | None
     input embedding, or a vocab size tp does not divide); NotImplementedError for Qwen3.5-MoE.
     `parts`: `model`'s, when the caller located them already."""
     parts = parts or qwen35_parts(model, families=FAMILIES)
-    if parts.family == "moe":
+    if parts.family in ("moe", "next"):
         raise NotImplementedError(
-            "a vocab-parallel lm_head is not built for Qwen3.5-MoE models (the router's loss beside the vocab slices); "
+            "a vocab-parallel lm_head is not built for the MoE models (Qwen3.5-MoE, Qwen3-Next) (the router's loss beside the vocab slices); "
             "leave QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD / vocab_parallel_lm_head off"
         )
     weight = parts.lm_head.weight

@@ -136,8 +136,6 @@ class Qwen3_5ModelParallelizer:
     def validate(self, prep: Preparation) -> None:
         """Every check of the choices against the model and the mesh, on every rank, before any change."""
         parts, dims, opts, base = prep.parts, prep.dims, prep.options, prep.base
-        if parts.family == "next":
-            _check_qwen3_next(dims, opts)
         check_expert_parallel(parts, ep=opts.ep, data_ranks=dims.size(dims.dp_shard_cp_name), dp_replicate=dims.dp_replicate,
                               tp_size=dims.tp_size)
         check_no_expert_adapters(parts.moe_blocks)
@@ -303,19 +301,6 @@ class Qwen3_5ModelParallelizer:
         shard_unit(holders, mesh=mesh, mp_policy=fp32_compute_policy(policy), reshard_after_forward=False,
                    offload_policy=offload_policy or OffloadPolicy())
         return holders[0]
-
-
-def _check_qwen3_next(dims: ParallelDims, opts: ParallelOptions) -> None:
-    """Qwen3-Next gets the fp32 gate units under FSDP2 / HSDP, CP, TP and EP (activation checkpointing, packed rows);
-    what is not built for it yet is refused on every rank (the choice reads only the configuration)."""
-    missing = [what for what, wanted in (
-        ("moe_balance='global' (counted in the tiled loss, which Qwen3-Next does not take yet)", opts.moe_balance == "global"),
-    ) if wanted]
-    if missing:
-        raise NotImplementedError(
-            f"qwen35_accel prepares Qwen3-Next (qwen3_next) with fp32 gate units under dp, cp, tp and ep; not yet "
-            f"with {', '.join(missing)} (docs/limits.md)."
-        )
 
 
 def _shard_split_experts(parts: Qwen35Parts, mesh: DeviceMesh, policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy | None,

@@ -1,6 +1,6 @@
 """Qwen3-Next (issue 61): the third family with a GatedDeltaNet. Its gates take the fp32 holder, its
-decoder layers the dtype-uniform FSDP2 units, its layers the CP and TP layers, its experts EP; what is not
-built for it yet (the router's global balance, the router's loss under cp) is refused on every rank. The oracle is the unmodified Transformers
+decoder layers the dtype-uniform FSDP2 units, its layers the CP and TP layers, its experts EP, its causal LM
+the tiled loss (its forward is Qwen3.5-MoE's, the router's loss included). The oracle is the unmodified Transformers
 `Qwen3NextForCausalLM` in one process (fp32 rtol 1e-5: ranks sum in another order)."""
 
 from __future__ import annotations
@@ -73,9 +73,6 @@ def _fsdp_worker(rank: int, world: int) -> None:
         got.loss.backward()
         assert assert_grads_match(model, reference) > 0  # routers, experts, shared experts and gates included
         dist.barrier()
-    with pytest.raises(NotImplementedError, match=r"Qwen3-Next .* not yet with moe_balance='global'"):
-        PARALLELIZER.apply(build_tiny_next_causal_lm(seed=0), cp_mesh(world, 1), moe_balance="global")  # every rank
-    dist.barrier()
 
 
 @pytest.mark.multiprocess
@@ -138,37 +135,41 @@ def test_ep2_routes_and_trains_as_one_process():
 def _cp_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import gather_sequence, shard_batch
+    from qwen35_accel.parallel.tiled_loss import tiled_loss_mode
     from test_cp_model import cp_mesh
 
     mesh = cp_mesh(world, world)
-    reference = build_tiny_next_causal_lm(seed=0)
+    reference = build_tiny_next_causal_lm(seed=0, output_router_logits=True, router_aux_loss_coef=0.05)
     model = copy.deepcopy(reference)
     PARALLELIZER.apply(model, mesh)
+    assert tiled_loss_mode(model) == "recompute"  # Qwen3-Next's forward is Qwen3.5-MoE's: the tiled loss applies
     batch = random_batch(2, 32, reference.config.vocab_size, seed=4)
     want = reference(**batch)
     got = model(**shard_batch(batch, mesh["cp"]))  # each rank its two chunks of every row
+    # The cross entropy and the router's load-balancing loss of whole rows (its sums reduced over the cp group).
+    assert_close(got.aux_loss.detach(), want.aux_loss.detach(), "router loss")
     assert_close(got.loss.detach(), want.loss.detach(), "loss")
-    assert_close(gather_sequence(got.logits.detach(), mesh["cp"]), want.logits.detach(), "logits")
     want.loss.backward()
     got.loss.backward()
     assert assert_grads_match(model, reference) > 0
-    # Packed rows under cp: each document as alone, the boundaries anywhere in the chunks.
-    packed, documents = packed_documents([19, 3, 42], reference.config.vocab_size, seed=5)
-    want_logits, want_loss = documents_alone(reference, documents)
-    out = model(**shard_batch(packed, mesh["cp"]))
-    assert_close(out.loss.detach(), want_loss.detach(), "packed loss")
-    assert_close(gather_sequence(out.logits.detach(), mesh["cp"]), want_logits.detach(), "packed logits")
-    with pytest.raises(NotImplementedError, match="Qwen3-Next's router load-balancing loss"):
-        model(**shard_batch(batch, mesh["cp"]), output_router_logits=True)
+    with torch.no_grad():  # no labels: Transformers' logits, this rank's chunks
+        inputs = shard_batch({"input_ids": batch["input_ids"]}, mesh["cp"])
+        logits = model(**inputs, output_router_logits=False).logits
+        assert_close(gather_sequence(logits, mesh["cp"]), reference(input_ids=batch["input_ids"]).logits, "logits")
+        # Packed rows under cp: each document as alone, the boundaries anywhere in the chunks.
+        packed, documents = packed_documents([19, 3, 42], reference.config.vocab_size, seed=5)
+        want_logits, want_loss = documents_alone(reference, documents)
+        out = model(**shard_batch({k: v for k, v in packed.items() if k != "labels"}, mesh["cp"]), output_router_logits=False)
+        assert_close(gather_sequence(out.logits, mesh["cp"]), want_logits, "packed logits")
     dist.barrier()
 
 
 @pytest.mark.multiprocess
-def test_cp2_computes_and_trains_as_one_process_packed_rows_too():
+def test_cp2_computes_and_trains_as_one_process_router_loss_and_packed_rows_too():
     """Context parallelism: the GatedDeltaNet's state passing and conv halo after Qwen3-Next's own
-    projections, the attention's K/V all-gather; loss, every token's logits, every gradient (the routers'
-    and experts' included) equal one process; packed rows equal each document alone; the router's loss
-    from chunks refused."""
+    projections, the attention's K/V all-gather; the loss (the router's over whole rows), every token's
+    logits, every gradient (the routers' and experts' included) equal one process; packed rows equal each
+    document alone."""
     run_world(_cp_worker, 2)
 
 

@@ -33,6 +33,7 @@ from torch import nn
 from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from .losses import CP_NEEDS_SHIFT_LABELS, IGNORE_INDEX, VOCAB_GROUP_ATTR, CausalLMLoss, reduce_token_loss
 from .expert_parallel.router import router_loss_coefficient
@@ -48,9 +49,10 @@ _OUTPUT_CLASSES: dict[type, type] = {
     hf.Qwen3_5ForConditionalGeneration: MultimodalCausalLMOutputWithPast,
     hf_moe.Qwen3_5MoeForCausalLM: hf_moe.MoeCausalLMOutputWithPast,
     hf_moe.Qwen3_5MoeForConditionalGeneration: hf_moe.Qwen3_5MoeCausalLMOutputWithPast,
+    hf_next.Qwen3NextForCausalLM: hf_next.MoeCausalLMOutputWithPast,  # its forward is Qwen3.5-MoE's, op for op
 }
 _VLM_CLASSES = (hf.Qwen3_5ForConditionalGeneration, hf_moe.Qwen3_5MoeForConditionalGeneration)
-_MOE_CLASSES = (hf_moe.Qwen3_5MoeForCausalLM, hf_moe.Qwen3_5MoeForConditionalGeneration)
+_MOE_CLASSES = (hf_moe.Qwen3_5MoeForCausalLM, hf_moe.Qwen3_5MoeForConditionalGeneration, hf_next.Qwen3NextForCausalLM)
 
 
 def uses_tiled_loss(model: nn.Module) -> bool:
@@ -174,8 +176,8 @@ def _tiled_class(cls: type) -> type:
 
 
 def install_tiled_loss(model: nn.Module, *, tile: int | None = None, mode: str = DEFAULT_LOSS_MODE) -> bool:
-    """Give `model` (a `Qwen3_5ForCausalLM`, `Qwen3_5ForConditionalGeneration` or
-    `Qwen3_5MoeForCausalLM`, unsharded)
+    """Give `model` (a `Qwen3_5ForCausalLM`, `Qwen3_5ForConditionalGeneration`, either MoE class or
+    `Qwen3NextForCausalLM`, unsharded)
     the tiled training loss in `mode` (`LOSS_MODES`: "recompute" or "hold", see
     `linear_cross_entropy_sum`), `tile` tokens per block (default: `tiled_blocks.block_shape`'s);
     returns False, changing nothing, for other classes. Idempotent."""

@@ -210,14 +210,9 @@ def _check_router_loss(module: nn.Module, args: tuple[Any, ...], kwargs: dict[st
         return  # TRL's fused head, wrapped: it reduces the router loss's sums over the cp group itself
     from ..tiled_loss import _tiled_loss_applies
 
-    if isinstance(module, hf_next.Qwen3NextForCausalLM):
-        raise NotImplementedError(
-            "under context parallelism Qwen3-Next's router load-balancing loss (output_router_logits) is not built "
-            "yet (Transformers' would count this rank's chunks alone); train with output_router_logits=False for now"
-        )
     if not _tiled_loss_applies(module, args, kwargs):
         raise NotImplementedError(
-            "under context parallelism a Qwen3.5-MoE router's load-balancing loss (output_router_logits) is exact "
+            "under context parallelism a MoE router's load-balancing loss (output_router_logits) is exact "
             "only in the tiled training loss (labels given, autograd recording, QWEN35_ACCEL_TILED_LOSS not off); "
             "this forward would compute it from this rank's chunks. Pass output_router_logits=False to evaluation "
             "and generation forwards, or set it in the config only for training."

@@ -240,3 +240,52 @@ def test_the_unchanged_recipe_trains_qwen3_next_under_cp2_as_one_process(launche
     assert len(lines) == 1 and "Qwen3NextForCausalLM prepared by qwen35_accel" in lines[0], run.stderr[-3000:]
     assert "fp32 gate holders" in lines[0] and "cp=2" in lines[0], lines[0]
     assert_same_training(run.out, reference.out, rtol=1e-5)
+
+
+def test_plan_lays_out_qwen3_next_80b_a3b_on_8_h200(tmp_path):
+    """`qwen35-accel plan` on the shape Transformers documents as Qwen3-Next-80B-A3B's (its config's
+    defaults: 48 layers as 12 x (3 GatedDeltaNet + 1 gated attention), 512 experts, top 10) under the 8-GPU
+    fsdp2.yaml with 141 GB GPUs: the plugin's units (an fp32 gate unit per GatedDeltaNet layer), the
+    experts line, and a memory verdict that adds up (fp32 masters, grads and AdamW: 16 bytes a parameter
+    over 8 ranks do not fit one H200; the plan says so rather than suggest a layout that would not)."""
+    from transformers import Qwen3NextConfig
+
+    from test_cli import CONFIGS, cli
+
+    config = Qwen3NextConfig(dtype="bfloat16")
+    config.architectures = ["Qwen3NextForCausalLM"]
+    config.save_pretrained(tmp_path)
+    p = cli("plan", "--model", str(tmp_path), "--config", str(CONFIGS / "fsdp2.yaml"), "--gpu-memory", "141GB", "--suggest")
+    assert p["architecture"] == "Qwen3NextForCausalLM" and 79e9 < p["parameters"] < 81e9 and p["fsdp_shards"] == 8
+    assert p["experts"] == {"per_layer": 512, "per_token": 10, "ep": 1, "efsdp": 8}
+    holders = [u for layer in p["layers"] for u in layer["units"] if u["modules"][0].endswith("linear_attn._fp32_params")]
+    assert len(p["layers"]) == 48 and len(holders) == 36 and all(u["storage"] == u["compute"] == "float32" for u in holders)
+    assert p["sharded_bytes_all_ranks"] == p["model_bytes"] == 4 * p["parameters"]
+    memory = p["memory_per_rank"]
+    assert memory["optimizer_states"] == 2 * memory["parameters"] and p["fits"] is False, memory
+
+
+def test_prepared_without_fsdp_after_a_bf16_load_it_trains_the_checkpoints_fp32_gates(tmp_path, capfd):
+    """One process (Accelerate's no-FSDP path) under bf16 autocast, loaded in bf16 from an fp32 checkpoint:
+    prepared, the gates held in fp32 with the checkpoint's values read back bitwise, fp32 gradients."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM
+
+    from qwen35_accel import install
+    from test_bf16_load import assert_checkpoint_values, save_fp32
+
+    saved = save_fp32(build_tiny_next_causal_lm, tmp_path)
+    install()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        model = accelerator.prepare(model)
+        assert "Qwen3NextForCausalLM prepared by qwen35_accel without FSDP" in capfd.readouterr().err
+        assert_checkpoint_values(model, saved)
+        accelerator.backward(model(**random_batch(2, 16, model.config.vocab_size, seed=0)).loss)
+        gates = [p for name, p in model.named_parameters() if name.endswith((".A_log", ".dt_bias"))]
+        assert len(gates) == 4 and all(p.grad is not None and p.grad.dtype == torch.float32 for p in gates)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -136,6 +136,12 @@ class Qwen3_5ModelParallelizer:
     def validate(self, prep: Preparation) -> None:
         """Every check of the choices against the model and the mesh, on every rank, before any change."""
         parts, dims, opts, base = prep.parts, prep.dims, prep.options, prep.base
+        if parts.family == "qwen4" and (dims.cp_size > 1 or dims.tp_size > 1):
+            raise NotImplementedError(
+                f"qwen35_accel prepares Qwen4-Exp (qwen4_exp) with fp32 gate units under FSDP2/HSDP and EP; context and "
+                f"tensor parallelism (here cp={dims.cp_size}, tp={dims.tp_size}) need the n-gram and PLE-conv halos, QSA's "
+                "key all-gather and the hyper-connections' TP layout, not built yet (docs/qwen4_exp_design.md)"
+            )
         check_expert_parallel(parts, ep=opts.ep, data_ranks=dims.size(dims.dp_shard_cp_name), dp_replicate=dims.dp_replicate,
                               tp_size=dims.tp_size)
         check_no_expert_adapters(parts.moe_blocks)

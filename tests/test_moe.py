@@ -15,6 +15,7 @@ import torch.distributed as dist
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
+from transformers.models.qwen4_exp import modeling_qwen4_exp as hf_qwen4
 
 from _dist import run_world
 from _parity import assert_close, assert_grads_match, documents_alone
@@ -101,7 +102,7 @@ def _routing(model: torch.nn.Module) -> tuple[list[torch.Tensor], list]:
     """Every MoE layer's chosen experts `[tokens, top_k]`, appended per forward."""
     chosen: list[torch.Tensor] = []
     hooks = [module.register_forward_hook(lambda _m, _i, out: chosen.append(out[2].detach().clone()))
-             for module in model.modules() if isinstance(module, (hf_moe.Qwen3_5MoeTopKRouter, hf_next.Qwen3NextTopKRouter))]
+             for module in model.modules() if isinstance(module, (hf_moe.Qwen3_5MoeTopKRouter, hf_next.Qwen3NextTopKRouter, hf_qwen4.Qwen4ExpTextTopKRouter))]
     return chosen, hooks
 
 

@@ -16,7 +16,7 @@ def experts_note(model: nn.Module) -> str:
     from ..model.detect import qwen35_family, unwrap_qwen35
     from ..parallel.expert_parallel.experts import describe_experts
 
-    return f"{describe_experts(unwrap_qwen35(model))}, " if qwen35_family(model) in ("moe", "next") else ""
+    return f"{describe_experts(unwrap_qwen35(model))}, " if qwen35_family(model) in ("moe", "next", "qwen4") else ""
 
 
 def hub_kernels_note(model: nn.Module) -> str:

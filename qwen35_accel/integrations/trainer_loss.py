@@ -138,7 +138,7 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
             loss, outputs = result if return_outputs else (result, None)
             loss = loss / divisor if divisor != 1 else loss
             return (loss, outputs) if return_outputs else loss
-        if family not in ("moe", "next"):  # the families whose forward adds a router's loss
+        if family not in ("moe", "next", "qwen4"):  # the families whose forward adds a router's loss
             return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch,
                             **kwargs)
         recorded: list[torch.Tensor] = []

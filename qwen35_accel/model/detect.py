@@ -18,6 +18,7 @@ from transformers.modeling_layers import GenericForSequenceClassification, Gener
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
+from transformers.models.qwen4_exp import modeling_qwen4_exp as hf_qwen4
 
 # The classes `PARALLELIZER.apply` knows how to shard, by name for error messages.
 SUPPORTED_CLASSES: tuple[type[nn.Module], ...] = (
@@ -37,9 +38,14 @@ MOE_CLASSES: tuple[type[nn.Module], ...] = (
 # group (`in_proj_qkvz`, `in_proj_ba`), a sparse MoE block with a shared expert; a causal LM and its text
 # model (no VLM).
 NEXT_CLASSES: tuple[type[nn.Module], ...] = (hf_next.Qwen3NextForCausalLM, hf_next.Qwen3NextModel)
-FAMILIES: tuple[str, ...] = ("dense", "moe", "next")
+# Qwen4-Exp (`qwen4_exp`): GatedDeltaNet (Qwen3.5's) and QSA indexed attention inside 4-stream hyper-connections,
+# per-layer n-gram embeddings, 512 experts (docs/qwen4_exp_design.md); its causal LM and text model so far.
+QWEN4_CLASSES: tuple[type[nn.Module], ...] = (hf_qwen4.Qwen4ExpForCausalLM, hf_qwen4.Qwen4ExpTextModel)
+FAMILIES: tuple[str, ...] = ("dense", "moe", "next", "qwen4")
 # The sparse MoE blocks of the MoE families (router `gate`, routed `experts`, `shared_expert`).
-MOE_BLOCK_CLASSES: tuple[type[nn.Module], ...] = (hf_moe.Qwen3_5MoeSparseMoeBlock, hf_next.Qwen3NextSparseMoeBlock)
+MOE_BLOCK_CLASSES: tuple[type[nn.Module], ...] = (
+    hf_moe.Qwen3_5MoeSparseMoeBlock, hf_next.Qwen3NextSparseMoeBlock, hf_qwen4.Qwen4ExpTextSparseMoeBlock,
+)
 # Heads on a Qwen3.5 backbone (reward models, classifiers): Transformers' generic heads, whose
 # backbone (`model.model`) is a text or base class of either family. Transformers 5.25 builds
 # `Qwen3_5TextForSequenceClassification`, `Qwen3_5ForSequenceClassification` (the VLM's backbone)
@@ -106,7 +112,7 @@ def is_dense_qwen35(model: nn.Module) -> bool:
 
 
 def qwen35_family(model: nn.Module) -> str | None:
-    """"dense", "moe", "next" (Qwen3-Next), or None for a model of no family here (wrappers looked
+    """"dense", "moe", "next" (Qwen3-Next), "qwen4" (Qwen4-Exp), or None for a model of no family here (wrappers looked
     through; a classification head takes its backbone's family)."""
     inner = unwrap_qwen35(model)
     inner = head_backbone(inner) or inner
@@ -114,12 +120,14 @@ def qwen35_family(model: nn.Module) -> str | None:
         return "dense"
     if isinstance(inner, MOE_CLASSES):
         return "moe"
-    return "next" if isinstance(inner, NEXT_CLASSES) else None
+    if isinstance(inner, NEXT_CLASSES):
+        return "next"
+    return "qwen4" if isinstance(inner, QWEN4_CLASSES) else None
 
 
 def supported_class_names(families: tuple[str, ...] = ("dense",)) -> str:
     classes = ((SUPPORTED_CLASSES if "dense" in families else ()) + (MOE_CLASSES if "moe" in families else ())
-               + (NEXT_CLASSES if "next" in families else ()))
+               + (NEXT_CLASSES if "next" in families else ()) + (QWEN4_CLASSES if "qwen4" in families else ()))
     return ", ".join(cls.__name__ for cls in classes) + " and classification heads on them"
 
 
@@ -128,7 +136,7 @@ class Qwen35Parts:
     """The modules of a Qwen3.5 model that the parallelizer treats specially.
 
     `decoder_layers` are in execution order; `vision_blocks` is empty for text models;
-    `family`: "dense", "moe" or "next" (`qwen35_family`); `moe_blocks`: a MoE model's sparse blocks
+    `family`: "dense", "moe", "next" or "qwen4" (`qwen35_family`); `moe_blocks`: a MoE model's sparse blocks
     (router `gate`, routed `experts`, `shared_expert`), one per sparse decoder layer (empty for dense).
     """
 
@@ -160,8 +168,9 @@ def qwen35_parts(model: nn.Module, families: tuple[str, ...] = ("dense",)) -> Qw
     head = getattr(model, "score", None) if head_backbone(model) is not None else None
     if head is not None:
         model = head_backbone(model)
-    if family == "next":  # a causal LM or its text model
-        return _parts(model if isinstance(model, hf_next.Qwen3NextModel) else model.model, model, None, family, head)
+    if family in ("next", "qwen4"):  # a causal LM or its text model
+        text = hf_next.Qwen3NextModel if family == "next" else hf_qwen4.Qwen4ExpTextModel
+        return _parts(model if isinstance(model, text) else model.model, model, None, family, head)
     # The four classes of each family, in the order of SUPPORTED_CLASSES / MOE_CLASSES.
     _causal, conditional, text, base = SUPPORTED_CLASSES if family == "dense" else MOE_CLASSES
     if isinstance(model, text):
@@ -180,9 +189,10 @@ def _parts(text_model: nn.Module, model: nn.Module, vision: nn.Module | None, fa
     return Qwen35Parts(
         text_model=text_model,
         decoder_layers=layers,
-        layer_types=tuple(layer.block_type for layer in layers),
+        layer_types=tuple(getattr(layer, "block_type", None) or layer.layer_type for layer in layers),
         embed_tokens=text_model.embed_tokens,
-        final_norm=text_model.norm,
+        # Qwen4-Exp has no final norm: its hyper-connection mixer (a grouped RMSNorm and the streams' mix) runs there.
+        final_norm=getattr(text_model, "norm", None) or text_model.hyper_connection_mixer,
         lm_head=getattr(model, "lm_head", None),
         vision_model=vision,
         vision_blocks=tuple(vision.blocks) if vision is not None else (),

@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
+from transformers.models.qwen4_exp import modeling_qwen4_exp as hf_qwen4
 
 from ..ops.causal_conv import fla_conv_kernel
 from ..ops.documents import per_document
@@ -345,15 +346,22 @@ class Fp32GateQwen3NextGatedDeltaNet(Fp32GateGatedDeltaNet, hf_next.Qwen3NextGat
         return mixed_qkv.transpose(1, 2), z, b.sigmoid(), a
 
 
+class Fp32GateQwen4ExpGatedDeltaNet(Fp32GateGatedDeltaNet, hf_qwen4.Qwen4ExpTextGatedDeltaNet):
+    """Qwen4-Exp's GatedDeltaNet with the fp32 gate holder: Qwen3.5's layer (the same projections and ops;
+    its gated norm's activation is its config's), the Qwen4-Exp class kept."""
+
+
 # Each family's GatedDeltaNet and text decoder, and the fp32-gate class each GatedDeltaNet becomes.
 GATED_DELTA_NET_CLASSES: tuple[type[nn.Module], ...] = (
     hf.Qwen3_5GatedDeltaNet, hf_moe.Qwen3_5MoeGatedDeltaNet, hf_next.Qwen3NextGatedDeltaNet,
+    hf_qwen4.Qwen4ExpTextGatedDeltaNet,
 )
 TEXT_MODEL_CLASSES: tuple[type[nn.Module], ...] = (hf.Qwen3_5TextModel, hf_moe.Qwen3_5MoeTextModel, hf_next.Qwen3NextModel)
 _FP32_GATE_CLASS: dict[type[nn.Module], type[nn.Module]] = {
     hf.Qwen3_5GatedDeltaNet: Fp32GateGatedDeltaNet,
     hf_moe.Qwen3_5MoeGatedDeltaNet: Fp32GateMoeGatedDeltaNet,
     hf_next.Qwen3NextGatedDeltaNet: Fp32GateQwen3NextGatedDeltaNet,
+    hf_qwen4.Qwen4ExpTextGatedDeltaNet: Fp32GateQwen4ExpGatedDeltaNet,
 }
 
 

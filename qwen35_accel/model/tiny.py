@@ -20,6 +20,8 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+from transformers.models.qwen4_exp import modeling_qwen4_exp as hf_qwen4
+from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
 
 
 def tiny_text_config(*, tie_word_embeddings: bool = False, num_hidden_layers: int = 3, **overrides: Any) -> Qwen3_5TextConfig:
@@ -110,6 +112,27 @@ def tiny_next_config(*, num_hidden_layers: int = 3, **overrides: Any) -> Qwen3Ne
     return config
 
 
+def tiny_qwen4_exp_config(*, num_hidden_layers: int = 3, **overrides: Any) -> Qwen4ExpTextConfig:
+    """A tiny Qwen4-Exp text config: 2 GatedDeltaNet layers and an indexed-attention layer (QSA: blocks of 4,
+    budget 8), 2 hyper-connection streams, n-gram embeddings (trigrams, small prime tables) on layer 0,
+    6 experts, top 2, a shared expert."""
+    kwargs: dict[str, Any] = dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=6,
+        num_experts_per_tok=2, layer_types=["linear_attention" if (i + 1) % 3 else "indexed_attention" for i in range(num_hidden_layers)],
+        hc_count=2, hc_lowrank=8, ple_layer_ids=[1], ple_embed_dim=24, ngram_size=3, heads_per_ngram=2,
+        ngram_vocab_size_base=101, make_ngram_vocab_size_divisible_by=8, indexer_n_heads=2, indexer_kv_heads=1,
+        indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, eos_token_id=1, pad_token_id=0,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    config = Qwen4ExpTextConfig(**kwargs)
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    return config
+
+
 def tiny_moe_vlm_config(**text_overrides: Any) -> Qwen3_5MoeConfig:
     """`tiny_vlm_config`'s vision tower and tokens around `tiny_moe_text_config`."""
     dense = tiny_vlm_config()
@@ -137,9 +160,10 @@ def randomize_for_parity(model: nn.Module, seed: int) -> nn.Module:
     """
     gen = torch.Generator().manual_seed(seed)
     for module in model.modules():
-        if isinstance(module, (hf_moe.Qwen3_5MoeTopKRouter, hf_next.Qwen3NextTopKRouter)):
+        if isinstance(module, (hf_moe.Qwen3_5MoeTopKRouter, hf_next.Qwen3NextTopKRouter, hf_qwen4.Qwen4ExpTextTopKRouter)):
             module.weight.copy_((0.3 * torch.randn(module.weight.shape, generator=gen)).to(module.weight.dtype))
-        if isinstance(module, (hf.Qwen3_5GatedDeltaNet, hf_moe.Qwen3_5MoeGatedDeltaNet, hf_next.Qwen3NextGatedDeltaNet)):
+        if isinstance(module, (hf.Qwen3_5GatedDeltaNet, hf_moe.Qwen3_5MoeGatedDeltaNet, hf_next.Qwen3NextGatedDeltaNet,
+                               hf_qwen4.Qwen4ExpTextGatedDeltaNet)):
             n = module.A_log.numel()
             module.A_log.copy_(torch.empty(n).uniform_(0.002, 0.05, generator=gen).log())
             module.dt_bias.copy_(torch.randn(n, generator=gen) * 0.3)
@@ -182,6 +206,12 @@ def build_tiny_next_causal_lm(seed: int = 0, *, dtype: torch.dtype = torch.float
                               **config_overrides: Any) -> hf_next.Qwen3NextForCausalLM:
     """Unmodified Transformers `Qwen3NextForCausalLM` (`tiny_next_config`), same weights per seed."""
     return _built(hf_next.Qwen3NextForCausalLM, tiny_next_config(**config_overrides), seed, dtype)
+
+
+def build_tiny_qwen4_exp_causal_lm(seed: int = 0, *, dtype: torch.dtype = torch.float32,
+                                   **config_overrides: Any) -> hf_qwen4.Qwen4ExpForCausalLM:
+    """Unmodified Transformers `Qwen4ExpForCausalLM` (`tiny_qwen4_exp_config`), same weights per seed."""
+    return _built(hf_qwen4.Qwen4ExpForCausalLM, tiny_qwen4_exp_config(**config_overrides), seed, dtype)
 
 
 def build_tiny_sequence_classifier(seed: int = 0, *, num_labels: int = 1, dtype: torch.dtype = torch.float32,

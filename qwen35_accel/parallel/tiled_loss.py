@@ -34,6 +34,7 @@ from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
+from transformers.models.qwen4_exp import modeling_qwen4_exp as hf_qwen4
 
 from .losses import CP_NEEDS_SHIFT_LABELS, IGNORE_INDEX, VOCAB_GROUP_ATTR, CausalLMLoss, reduce_token_loss
 from .expert_parallel.router import router_loss_coefficient
@@ -50,9 +51,11 @@ _OUTPUT_CLASSES: dict[type, type] = {
     hf_moe.Qwen3_5MoeForCausalLM: hf_moe.MoeCausalLMOutputWithPast,
     hf_moe.Qwen3_5MoeForConditionalGeneration: hf_moe.Qwen3_5MoeCausalLMOutputWithPast,
     hf_next.Qwen3NextForCausalLM: hf_next.MoeCausalLMOutputWithPast,  # its forward is Qwen3.5-MoE's, op for op
+    hf_qwen4.Qwen4ExpForCausalLM: hf_qwen4.MoeCausalLMOutputWithPast,  # so is Qwen4-Exp's
 }
 _VLM_CLASSES = (hf.Qwen3_5ForConditionalGeneration, hf_moe.Qwen3_5MoeForConditionalGeneration)
-_MOE_CLASSES = (hf_moe.Qwen3_5MoeForCausalLM, hf_moe.Qwen3_5MoeForConditionalGeneration, hf_next.Qwen3NextForCausalLM)
+_MOE_CLASSES = (hf_moe.Qwen3_5MoeForCausalLM, hf_moe.Qwen3_5MoeForConditionalGeneration, hf_next.Qwen3NextForCausalLM,
+                hf_qwen4.Qwen4ExpForCausalLM)
 
 
 def uses_tiled_loss(model: nn.Module) -> bool:

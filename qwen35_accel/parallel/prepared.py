@@ -44,8 +44,8 @@ class Preparation:
 
     @property
     def global_balance(self) -> bool:
-        """The MoE router's balance over the global batch (dense models have no router)."""
-        return self.options.moe_balance == "global" and self.parts.family == "moe"
+        """The MoE router's balance over the global batch (a model without sparse blocks has no router)."""
+        return self.options.moe_balance == "global" and bool(self.parts.moe_blocks)
 
 
 def attach_preparation(prep: Preparation) -> None:

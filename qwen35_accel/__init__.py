@@ -1,4 +1,5 @@
-"""qwen35-accel: dense Qwen3.5 under FSDP2 (Accelerate / Transformers Trainer).
+"""qwen35-accel: Qwen3.5 models and their GatedDeltaNet family (dense and MoE, text and vision, classifier heads,
+Qwen3-Next, Qwen4-Exp) under FSDP2, CP, TP and EP, for Accelerate and the Transformers Trainer.
 
 Importing this package is cheap: it checks dependency versions from metadata and loads
 the heavy modules (torch, transformers) only when a public name is first used.

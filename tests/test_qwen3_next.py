@@ -294,3 +294,30 @@ def test_prepared_without_fsdp_after_a_bf16_load_it_trains_the_checkpoints_fp32_
         assert len(gates) == 4 and all(p.grad is not None and p.grad.dtype == torch.float32 for p in gates)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _distributed_config_worker(rank: int, world: int, path: str) -> None:
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from qwen35_accel.parallel.fsdp import describe_units
+    from qwen35_accel.parallel.prepared import prepared_state
+    from test_bf16_load import assert_checkpoint_values, checkpoint_gate_values
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, distributed_config=DistributedConfig(fsdp_size=world))
+    assert prepared_state(model).source == "distributed_config"
+    units = {row["unit"]: (row["storage"], row["compute"]) for row in describe_units(model)}
+    assert units["model.layers.0.linear_attn._fp32_params"] == ("float32", "float32"), units
+    assert_checkpoint_values(model, checkpoint_gate_values(Path(path)))  # fp32, bitwise: not the load's rounding
+    model(**random_batch(2, 16, model.config.vocab_size, seed=rank)).loss.backward()
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_sharded_at_load_by_distributed_config_it_holds_the_checkpoints_fp32_gates(tmp_path):
+    """`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))` in bf16 of an fp32 checkpoint:
+    the plugin's units, the gates loaded into fp32 holders with the checkpoint's values."""
+    from test_bf16_load import save_fp32
+
+    save_fp32(build_tiny_next_causal_lm, tmp_path)
+    run_world(_distributed_config_worker, 2, str(tmp_path))

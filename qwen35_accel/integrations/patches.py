@@ -1,7 +1,8 @@
 """The plugin's patch points: one registry, each point with its target, guard and wrapper.
 
 Each patch point wraps one attribute of Accelerate or the Trainer and calls the original
-for anything that is not a dense Qwen3.5 model. This module is data: it imports the
+for anything that is not a model it acts on (a Qwen3.5-family model: Qwen3.5 dense and MoE, Qwen3-Next,
+Qwen4-Exp; some points dense Qwen3.5 only, as each says). This module is data: it imports the
 wrappers and declares the points; `activation` (which imports no wrapper) installs them
 (`install()` is idempotent), restores the originals (`uninstall()`) and reports what is
 active and why not (`status()`). The public names are in `accelerate.py`.
@@ -55,46 +56,46 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     ),
     PatchPoint(
         "accelerate.accelerator", "Accelerator._prepare_tp", preparation.prepare_tp, ACCELERATE,
-        "dense Qwen3.5: Accelerate's load-time TP path is skipped; the parallelizer splits the model by heads",
+        "a Qwen3.5-family model: Accelerate's load-time TP path is skipped; the parallelizer splits the model by heads",
     ),
     PatchPoint(
         "accelerate.accelerator", "Accelerator._prepare_cp", preparation.prepare_cp, ACCELERATE,
-        "dense Qwen3.5: no torch ring-attention hooks; the step's CP context becomes ours",
+        "a Qwen3.5-family model: no torch ring-attention hooks; the step's CP context becomes ours",
     ),
     PatchPoint(
         "accelerate.accelerator", "Accelerator._prepare_fsdp2", preparation.prepare_fsdp2, ACCELERATE,
-        "dense Qwen3.5: fp32 gate holders installed before Accelerate records parameter names",
+        "a Qwen3.5-family model: fp32 gate holders installed before Accelerate records parameter names",
     ),
     PatchPoint(
         "accelerate.accelerator", "fsdp2_apply_ac", preparation.fsdp2_apply_ac, ACCELERATE,
-        "dense Qwen3.5: skipped; the parallelizer checkpoints each decoder layer and trainable vision block",
+        "a Qwen3.5-family model: skipped; the parallelizer checkpoints each decoder layer and trainable vision block",
     ),
     PatchPoint(
         "accelerate.accelerator", "fsdp2_prepare_model", preparation.fsdp2_prepare_model, ACCELERATE,
-        "dense Qwen3.5: PARALLELIZER.apply with the FSDP plugin's settings and the accelerator's mesh",
+        "a Qwen3.5-family model: PARALLELIZER.apply with the FSDP plugin's settings and the accelerator's mesh",
     ),
     PatchPoint(
         "accelerate.accelerator", "Accelerator.maybe_context_parallel", step_hooks.maybe_context_parallel, ACCELERATE,
-        "dense Qwen3.5 under cp > 1: shards the step's buffers with qwen35_accel's layout",
+        "a Qwen3.5-family model under cp > 1: shards the step's buffers with qwen35_accel's layout",
     ),
     PatchPoint(
         "accelerate.accelerator", "Accelerator.clip_grad_norm_", step_hooks.clip_grad_norm, ACCELERATE,
-        "dense Qwen3.5 under tp > 1: the norm of the whole gradient (split parameters summed over the tp group)",
+        "a Qwen3.5-family model under tp > 1: the norm of the whole gradient (split parameters summed over the tp group)",
     ),
     PatchPoint(
         "accelerate.accelerator", "load_fsdp_model", checkpoints.load_fsdp_model, ACCELERATE,
-        "dense Qwen3.5 under tp > 1 with FULL_STATE_DICT (Accelerator.load_state): rank 0's file broadcast into the "
+        "a Qwen3.5-family model under tp > 1 with FULL_STATE_DICT (Accelerator.load_state): rank 0's file broadcast into the "
         "per-head slices (torch's full-state-dict loading copies full tensors into them)",
     ),
     PatchPoint(
         "transformers.trainer", "Trainer._load_from_checkpoint", checkpoints.trainer_load_from_checkpoint, TRANSFORMERS,
-        "dense Qwen3.5 under tp > 1 with FULL_STATE_DICT (resume_from_checkpoint): as load_fsdp_model above (the "
+        "a Qwen3.5-family model under tp > 1 with FULL_STATE_DICT (resume_from_checkpoint): as load_fsdp_model above (the "
         "Trainer holds its own reference to Accelerate's function)",
     ),
     PatchPoint(
         "transformers.distributed.mixin", "DistributedMixin.maybe_distribute_model",
         transformers_sharding.maybe_distribute_model, TRANSFORMERS,
-        "dense Qwen3.5 loaded with Transformers' own sharding (from_pretrained(..., distributed_config=...)): data "
+        "a Qwen3.5-family model loaded with Transformers' own sharding (from_pretrained(..., distributed_config=...)): data "
         "parallelism alone sharded by the plugin's parallelizer at load (fp32 gate holders, loaded bitwise); with tp/pp a bf16 "
         "load or fsdp_mixed_precision under FSDP refused on every rank with the ways that keep the gates fp32 (stock: "
         "the gates train bf16-rounded, silently); Transformers' gathering TP plan said once",
@@ -111,24 +112,24 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(
         "transformers.trainer", "Trainer._prepare_context_parallel_inputs", step_hooks.prepare_context_parallel_inputs,
         TRANSFORMERS,
-        "dense Qwen3.5 under cp > 1: a sequence classifier's per-row labels kept whole (its padding the pad token), a "
+        "a Qwen3.5-family model under cp > 1: a sequence classifier's per-row labels kept whole (its padding the pad token), a "
         "token classifier's labels sharded unshifted; the batch is right-padded to a multiple of 2*cp first (padding-free collators "
         "make rows of any length; stock leaves that to the collator); TRL's DPO/KTO/GRPO/RLOO batches left whole (their "
         "fused head shards whole rows itself); with a TRL outside 1.16.x refused under cp, GRPO/RLOO under tp too",
     ),
     PatchPoint(
         "transformers.trainer", "Trainer._track_num_input_tokens", step_hooks.track_num_input_tokens, TRANSFORMERS,
-        "dense Qwen3.5 under cp or tp > 1: num_input_tokens_seen counts each batch once (stock sums every rank's "
+        "a Qwen3.5-family model under cp or tp > 1: num_input_tokens_seen counts each batch once (stock sums every rank's "
         "count, and ranks differing in cp/tp hold the same batch)",
     ),
     PatchPoint(
         "transformers.trainer", "Trainer.floating_point_ops", step_hooks.floating_point_ops, TRANSFORMERS,
-        "dense Qwen3.5 under cp or tp > 1: total_flos counts each batch once, with the unsplit model's parameters "
+        "a Qwen3.5-family model under cp or tp > 1: total_flos counts each batch once, with the unsplit model's parameters "
         "(stock sums every rank's estimate of the same batch, each with its own tp slices' parameter count)",
     ),
     PatchPoint(
         "transformers.trainer", "Trainer.evaluation_loop", evaluation.evaluation_loop, TRANSFORMERS,
-        "dense Qwen3.5 under cp or tp > 1: the loop's gather_function gathers over the data-parallel ranks only (ranks "
+        "a Qwen3.5-family model under cp or tp > 1: the loop's gather_function gathers over the data-parallel ranks only (ranks "
         "differing in cp/tp hold the same batch; stock returns each row cp*tp times), every other gather_for_metrics "
         "stays stock; under cp > 1 TRL SFTTrainer's loss-only prediction_step runs inside the CP context; with "
         "QWEN35_ACCEL_CP_METRICS_PER_CHUNK=1: preprocess_logits_for_metrics runs on "
@@ -136,12 +137,12 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     ),
     PatchPoint(
         "transformers.trainer", "Trainer.prediction_step", evaluation.prediction_step, TRANSFORMERS,
-        "dense Qwen3.5 under cp > 1 or a vocab-parallel lm_head: the logits of the whole sequence and vocab (stock: "
+        "a Qwen3.5-family model under cp > 1 or a vocab-parallel lm_head: the logits of the whole sequence and vocab (stock: "
         "this rank's chunks); label-less batches run inside the CP context",
     ),
     PatchPoint(
         "transformers.trainer", "Trainer.save_model", checkpoints.trainer_save_model, TRANSFORMERS,
-        "dense Qwen3.5 under FSDP2 with a sharded state dict type: the explicit save_model writes a Hugging Face "
+        "a Qwen3.5-family model under FSDP2 with a sharded state dict type: the explicit save_model writes a Hugging Face "
         "checkpoint from the gathered weights (stock writes no weights at all)",
     ),
     *(

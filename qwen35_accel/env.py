@@ -14,6 +14,7 @@ def env() -> dict[str, Any]:
     from . import __version__
     from ._versions import SUPPORTED, is_supported
     from .integrations.settings import PluginSettings, settings_table
+    from .model_changes import model_changes_table
 
     versions = {}
     for dist_name in ("torch", "transformers", "accelerate"):
@@ -42,6 +43,7 @@ def env() -> dict[str, Any]:
         "settings": settings,
         "settings_reference": settings_table(),
         "plugin": status(),
+        "model_changes": model_changes_table(),
     }
 
 
@@ -82,6 +84,9 @@ def print_env(e: dict[str, Any]) -> None:
         mark = "x" if point["active"] else ("~" if point["deferred"] else " ")
         print(f"  [{mark}] {point['target']}: {point['purpose']}")
     print("  ([~]: patched once that module is imported)")
+    print("model changes (on prepared models' modules, besides the patch points):")
+    for change in e["model_changes"]:
+        print(f"  {change['kind']} on {change['on']} ({change['where']}): {change['why']}")
     print(f"kernels ({e['kernels']['device']}):")
     for line in e["kernels"]["summary"]:
         print(f"  {line}")

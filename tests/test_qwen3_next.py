@@ -321,3 +321,29 @@ def test_sharded_at_load_by_distributed_config_it_holds_the_checkpoints_fp32_gat
 
     save_fp32(build_tiny_next_causal_lm, tmp_path)
     run_world(_distributed_config_worker, 2, str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_trl_sft_cli_with_its_router_loss_under_cp2_logs_what_one_process_logs(tmp_path):
+    """TRL's own `trl sft` on a tiny Qwen3-Next with the router's loss on (coefficient 0.05): one process against
+    `--accelerate_config cpu_fsdp2_cp2.yaml` (TRL's fused head: the router's logits of every Qwen3-Next router
+    recorded and its loss reduced over the cp group; before: only Qwen3.5-MoE's routers were recorded): loss,
+    grad norm, entropy, mean_token_accuracy, num_tokens."""
+    import shutil
+
+    from _parity import assert_same_log_history, log_history
+    from _trl_cli import RECIPES, four_sgd_steps, single_and_cp2
+    from transformers import AutoTokenizer
+
+    model, data = tmp_path / "model", tmp_path / "data"
+    build_tiny_next_causal_lm(seed=0, vocab_size=264, pad_token_id=256, eos_token_id=256, output_router_logits=True,
+                              router_aux_loss_coef=0.05).save_pretrained(model)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(model)
+    data.mkdir()
+    shutil.copy(RECIPES / "data" / "sft_tiny.jsonl", data / "train.jsonl")
+    single, cp2, output = single_and_cp2(tmp_path, "sft", four_sgd_steps(model, data), step=4)
+    assert output.count("Qwen3NextForCausalLM prepared by qwen35_accel") == 1 and "cp=2" in output, output[-3000:]
+    logged = log_history(single)
+    assert len([e for e in logged if "loss" in e]) == 4 and any(e.get("aux_loss", 0) > 0 for e in logged), logged
+    assert_same_log_history(cp2, single, rtol=1e-5, atol=1e-6)

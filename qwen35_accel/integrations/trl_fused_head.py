@@ -214,13 +214,12 @@ def _fused_forward_with_router_loss(
     reduces the loss's three sums over `group`: the value is one process's on those tokens, the
     gradient this rank's share (scaled for FSDP2's average, as the cross entropy). It is added to
     `loss` and returned as `aux_loss`, as TRL does."""
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
-
+    from ..model.detect import ROUTER_CLASSES
     from ..parallel.expert_parallel.router import router_balance_loss
 
     recorded: list[torch.Tensor] = []
     handles = [module.register_forward_hook(lambda _m, _i, out: recorded.append(out[0]))
-               for module in model.modules() if isinstance(module, Qwen3_5MoeTopKRouter)]
+               for module in model.modules() if isinstance(module, ROUTER_CLASSES)]  # every MoE family's routers
     try:  # an activation checkpoint's recompute runs in backward, after the hooks are gone
         output = trl_forward(*args, fused_lm_head=True, **fused, **{**kwargs, "output_router_logits": False})
     finally:

@@ -46,6 +46,10 @@ FAMILIES: tuple[str, ...] = ("dense", "moe", "next", "qwen4")
 MOE_BLOCK_CLASSES: tuple[type[nn.Module], ...] = (
     hf_moe.Qwen3_5MoeSparseMoeBlock, hf_next.Qwen3NextSparseMoeBlock, hf_qwen4.Qwen4ExpTextSparseMoeBlock,
 )
+# Their routers: each returns (router_logits, scores, chosen experts).
+ROUTER_CLASSES: tuple[type[nn.Module], ...] = (
+    hf_moe.Qwen3_5MoeTopKRouter, hf_next.Qwen3NextTopKRouter, hf_qwen4.Qwen4ExpTextTopKRouter,
+)
 # Heads on a Qwen3.5 backbone (reward models, classifiers): Transformers' generic heads, whose
 # backbone (`model.model`) is a text or base class of either family. Transformers 5.25 builds
 # `Qwen3_5TextForSequenceClassification`, `Qwen3_5ForSequenceClassification` (the VLM's backbone)

@@ -3,14 +3,14 @@
 Accelerate's `ParallelismConfig` builds a mesh with dims `dp_replicate`, `dp_shard`, `cp`,
 `tp` (those of size > 1) and flattened dims `dp`, `dp_shard_cp`, `dp_cp`; custom loops
 build their own. `ParallelDims` answers, for the names the parallelizer uses, whether the
-mesh has the dim, its size and its sub-mesh (`sub_mesh`). A flattened dim is taken from where
-torch keeps it (the root mesh's record of its flattened meshes), not sliced by name from the root:
-torch deprecates that ("Slicing a flattened dim from root mesh will be deprecated").
+mesh has the dim, its size and its sub-mesh (`sub_mesh`: public slicing, torch's notice about slicing
+flattened dims silenced there alone).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -20,34 +20,30 @@ from torch.distributed.device_mesh import DeviceMesh
 ACCELERATE_FLATTENED_DIMS: tuple[str, ...] = ("dp", "dp_shard_cp", "dp_cp")
 
 
-def _flattened(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
-    """The 1-D mesh flattened under `name` from `mesh`'s root (`mesh[dims]._flatten(name)`), or None."""
-    root = mesh._get_root_mesh()
-    if name in (mesh.mesh_dim_names or ()) or mesh is not root:  # torch resolves flattened dims from the root only
-        return None
-    return getattr(root, "_flatten_mapping", {}).get(name)  # torch 2.11-2.15 keep them there
+# torch (2.11-2.15) finds a flattened dim by slicing the root mesh by its name, and warns that this
+# slicing "will be deprecated" without a public way to reach the flattened mesh otherwise (it keeps it in
+# private state). The slicing is the public API; only that one notice is silenced, here.
+_FLATTENED_SLICE_NOTICE = "Slicing a flattened dim from root mesh will be deprecated"
 
 
 def sub_mesh(mesh: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
-    """`mesh[names]`, where a name may also be a dim flattened from `mesh`'s root (Accelerate's
-    `dp_shard_cp`, `dp`, `dp_cp`): that one is the flattened mesh torch keeps, and a tuple holding one
-    is concatenated from the parts (HSDP's (`dp_replicate`, `dp_shard_cp`)). KeyError for a name the
-    mesh does not have."""
-    names = (names,) if isinstance(names, str) else tuple(names)
-    parts = [_flattened(mesh, name) for name in names]
-    if all(part is None for part in parts):
-        return mesh[names if len(names) > 1 else names[0]]
-    if len(names) == 1:
-        return parts[0]
-    concatenate = getattr(DeviceMesh, "_concatenate", None)
-    if concatenate is None:  # a torch without it: the (deprecated) slice of the root
+    """`mesh[names]` (a name may also be a dim flattened from `mesh`'s root: Accelerate's `dp_shard_cp`,
+    `dp`, `dp_cp`), without torch's notice about slicing flattened dims. KeyError for a name the mesh
+    does not have."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_FLATTENED_SLICE_NOTICE)
         return mesh[names]
-    return concatenate([part if part is not None else mesh[name] for name, part in zip(names, parts)])
 
 
 def has_dim(mesh: DeviceMesh, name: str) -> bool:
     """Whether `sub_mesh(mesh, name)` resolves: one of its own dims or one flattened from its root."""
-    return name in (mesh.mesh_dim_names or ()) or _flattened(mesh, name) is not None
+    if name in (mesh.mesh_dim_names or ()):
+        return True
+    try:
+        sub_mesh(mesh, name)
+    except (KeyError, RuntimeError, ValueError):
+        return False
+    return True
 
 
 def mesh_dim_names(mesh: DeviceMesh, extra: tuple[str, ...] = ()) -> list[str]:

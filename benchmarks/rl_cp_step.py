@@ -213,13 +213,13 @@ def _worker(rank: int, world: int, args: dict[str, Any], shape: dict[str, Any], 
 
 def split_generation(model: Any, mesh: Any, prompts: dict[str, Any], settings: dict[str, Any], replica: int = 0) -> list[list[int]]:
     """The rows of `prompts` generated as `QWEN35_ACCEL_RL_GENERATION=split` generates them around
-    TRL's `_generate_single_turn` (`trl_sampling._generate_split`; a stand-in for TRL's method
+    TRL's `_generate_single_turn` (`integrations/trl/sampling._generate_split`; a stand-in for TRL's method
     builds the left-padded batch and calls `generate` with the trainer's generation config)."""
     import types
 
     from transformers import GenerationConfig
 
-    from qwen35_accel.integrations.trl_sampling import _generate_split
+    from qwen35_accel.integrations.trl.sampling import _generate_split
 
     extra = {k: settings[k] for k in ("synced_gpus",)}
     config = GenerationConfig(**{k: v for k, v in settings.items() if k not in extra})

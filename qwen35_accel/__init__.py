@@ -29,7 +29,7 @@ def install() -> bool:
     Works whatever `QWEN35_ACCEL` says (an explicit call wins). Returns False, with a
     warning, when the installed Accelerate is outside the plugin's tested range.
     """
-    from .integrations.accelerate import install as _install
+    from .integrations.plugin import install as _install
 
     return _install()
 

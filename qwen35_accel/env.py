@@ -29,7 +29,7 @@ def env() -> dict[str, Any]:
         settings = f"invalid: {exc}"
     import accelerate  # noqa: F401  (the autoload patches on this import)
 
-    from .integrations.accelerate import status
+    from .integrations.plugin import status
 
     return {
         "kernels": kernels_report(),

@@ -74,13 +74,13 @@ MODEL_CHANGES: tuple[ModelChange, ...] = (
                 "the loss combines the vocab slices without gathering the logits"),
     ModelChange(STATE_DICT_HOOK, "parallel.tensor_parallel.state_dict", "the optimizer under tp",
                 "optimizer state in Transformers' layout"),
-    ModelChange(HOOK, "integrations.trainer_loss", "the model, for one call (removed after it)",
+    ModelChange(HOOK, "integrations.transformers.trainer_loss", "the model, for one call (removed after it)",
                 "the model's loss recorded to check the Trainer's stock scaling once per trainer"),
-    ModelChange(PRE_HOOK, "integrations.trl_whole_rows", "the model under cp in TRL's DPO/KTO/GRPO/RLOO",
+    ModelChange(PRE_HOOK, "integrations.trl.whole_rows", "the model under cp in TRL's DPO/KTO/GRPO/RLOO",
                 "whole rows sharded on entry, left-padded rows left-aligned"),
-    ModelChange(REBIND, "integrations.trl_fused_head", "the model's `forward` (TRL's fused LM head under cp or tp)",
+    ModelChange(REBIND, "integrations.trl.fused_head", "the model's `forward` (TRL's fused LM head under cp or tp)",
                 "TRL's fused head computes from this rank's chunks or vocab slice"),
-    ModelChange(HOOK, "integrations.trl_fused_head", "the routers, for one fused forward (removed after it)",
+    ModelChange(HOOK, "integrations.trl.fused_head", "the routers, for one fused forward (removed after it)",
                 "the router logits recorded for the router's loss of the fused path"),
 )
 

@@ -100,7 +100,7 @@ def test_patch_points_install_idempotently_restore_and_respect_the_version_guard
     import trl.trainer.sft_trainer  # noqa: F401
     from accelerate.accelerator import Accelerator
 
-    from qwen35_accel.integrations import accelerate as plugin
+    from qwen35_accel.integrations import plugin
 
     plugin.install()  # the deferred Trainer and TRL points, now that their modules are imported
     assert hasattr(transformers.trainer.Trainer.save_model, "__qwen35_accel_original__")
@@ -446,7 +446,9 @@ def test_the_wheel_carries_the_autoload_module_and_its_torch_entry_point(tmp_pat
     )
     wheel = next(tmp_path.glob("qwen35_accel-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "qwen35_accel_autoload.py" in names and "qwen35_accel/integrations/accelerate.py" in names
+    assert "qwen35_accel_autoload.py" in names and "qwen35_accel/integrations/plugin.py" in names
+    assert {f"qwen35_accel/integrations/{sub}/{sub}_points.py" for sub in ("accelerate", "trl")} <= set(names)
+    assert "qwen35_accel/integrations/transformers/trainer_points.py" in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "[torch.backends]\nqwen35_accel = qwen35_accel_autoload:activate" in entry_points
     assert "qwen35-accel = qwen35_accel.cli:main" in entry_points
@@ -463,7 +465,7 @@ def test_activation_when_the_trainer_module_imports_accelerate_first():
         "import warnings; warnings.simplefilter('error', UserWarning)\n"
         "import transformers.trainer\n"
         "from accelerate.accelerator import Accelerator\n"
-        "import qwen35_accel.integrations.accelerate as plugin\n"
+        "import qwen35_accel.integrations.plugin as plugin\n"
         "assert hasattr(Accelerator._prepare_fsdp2, '__qwen35_accel_original__')\n"
         "plugin.install()\n"
         "assert hasattr(transformers.trainer.Trainer.save_model, '__qwen35_accel_original__')\n"

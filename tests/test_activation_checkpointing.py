@@ -191,7 +191,7 @@ def test_prepared_line_names_the_vision_blocks_and_no_block_is_checkpointed_twic
     """The plugin's choice between ours and Transformers' gradient checkpointing on a VLM: ours
     covers a trainable tower's blocks, so their Transformers flags go off with the decoder
     layers'; a frozen tower's blocks are not ours and keep theirs."""
-    from qwen35_accel.integrations.preparation import _one_activation_checkpointing
+    from qwen35_accel.integrations.accelerate.preparation import _one_activation_checkpointing
     from qwen35_accel.testing.tiny import build_tiny_vlm
 
     model = build_tiny_vlm(seed=0)
@@ -218,7 +218,7 @@ def test_neither_offload_switch_is_dropped():
     (`gradient_checkpointing_kwargs`) carries over to ours where ours replaces Transformers'
     checkpointing, ours takes Transformers' over where it covers every decoder layer, and it stays
     Transformers' (its `save_on_cpu`) where it covers only some (`every_n_layers`)."""
-    from qwen35_accel.integrations.preparation import _one_activation_checkpointing
+    from qwen35_accel.integrations.accelerate.preparation import _one_activation_checkpointing
     from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
     line, ours, offload = _one_activation_checkpointing(_parts(build_tiny_causal_lm(seed=0)), True, accelerate_offload=True)

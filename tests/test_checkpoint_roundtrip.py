@@ -81,7 +81,7 @@ def _node_local_checkpoint_worker(rank: int, world: int, tmp: str) -> None:
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.integrations.checkpoints import check_same_checkpoint_on_every_rank
+    from qwen35_accel.integrations.transformers.trainer_checkpoints import check_same_checkpoint_on_every_rank
     from qwen35_accel.parallel.prepared import prepared_state
     from qwen35_accel.testing.tiny import build_tiny_causal_lm
 

@@ -301,7 +301,7 @@ def test_env_with_an_unsupported_accelerate_says_why_the_plugin_is_off(monkeypat
     import accelerate
 
     from qwen35_accel import cli
-    from qwen35_accel.integrations import accelerate as plugin
+    from qwen35_accel.integrations import plugin
 
     real_version = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.14.0" if name == "accelerate" else real_version(name))

@@ -126,7 +126,7 @@ def _world2(rank: int, world: int) -> None:
     # GRPO/RLOO's patch points on a MoE model under cp: refused, where a dense model gets its replicas.
     from types import SimpleNamespace
 
-    from qwen35_accel.integrations.trl_sampling import _applies
+    from qwen35_accel.integrations.trl.sampling import _applies
 
     under_cp = SimpleNamespace(torch_device_mesh=cp_mesh(world, 2))
     assert _applies(SimpleNamespace(model=build_tiny_causal_lm(seed=0), accelerator=under_cp)) is not None

@@ -30,6 +30,23 @@ def test_every_patch_point_declares_a_guard_and_a_wrapper_of_its_own():
         assert callable(point.wrap) and point.purpose, point.target
 
 
+def test_each_patch_point_lives_with_its_upstream():
+    """Each upstream's folder declares its own points, and their wrappers live in that folder: a TRL
+    release touches `integrations/trl/` alone."""
+    from qwen35_accel.integrations.accelerate.accelerate_points import ACCELERATE_POINTS
+    from qwen35_accel.integrations.transformers.trainer_points import TRANSFORMERS_POINTS
+    from qwen35_accel.integrations.trl.trl_points import TRL_POINTS
+
+    assert PATCH_POINTS == (*ACCELERATE_POINTS, *TRANSFORMERS_POINTS, *TRL_POINTS)
+    for folder, points in (("accelerate", ACCELERATE_POINTS), ("transformers", TRANSFORMERS_POINTS), ("trl", TRL_POINTS)):
+        assert points and {point.guard.package for point in points} == {folder}, folder
+        for point in points:
+            home = point.wrap.__module__
+            # `Accelerator.__init__` runs the plugin's own activation (the deferred points) around Accelerate's.
+            if point.target != "accelerate.accelerator.Accelerator.__init__":
+                assert home.startswith(f"qwen35_accel.integrations.{folder}."), (point.target, home)
+
+
 def test_install_refuses_to_run_without_the_registry_and_says_how(monkeypatch):
     """`activation` imports no wrapper: the registry hands it the points. Without them,
     install() would silently patch nothing."""
@@ -54,6 +71,6 @@ def test_transformers_sharding_takes_over_data_parallelism_alone(sizes, why_not)
     (tests/test_transformers_sharding.py runs both under torchrun)."""
     from transformers.distributed import DistributedConfig
 
-    from qwen35_accel.integrations.transformers_sharding import plugin_shards
+    from qwen35_accel.integrations.transformers.load_sharding import plugin_shards
 
     assert plugin_shards(DistributedConfig(**sizes)) == why_not

@@ -668,7 +668,7 @@ def test_the_trainer_trains_a_token_classifier_as_one_process(launched, name):
 def test_a_sequence_classifier_under_cp_without_a_pad_token_is_refused_with_the_way_out():
     """The Trainer's CP preparation pads rows to 2·cp; without `pad_token_id` the head would pool that
     padding (Transformers takes the row's last position then): refused, naming the fix."""
-    from qwen35_accel.integrations.step_hooks import _sequence_classifier_pad_token
+    from qwen35_accel.integrations.transformers.trainer_steps import _sequence_classifier_pad_token
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_sequence_classifier
 
     assert _sequence_classifier_pad_token(build_tiny_sequence_classifier(seed=0)) == 0

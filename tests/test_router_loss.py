@@ -26,7 +26,7 @@ def _train(tmp_path, coefficient: float, accumulation: int, stock: bool, monkeyp
     `stock`, Transformers' own `compute_loss`. Returns the log history and the weights."""
     from transformers import Trainer, TrainingArguments
 
-    from qwen35_accel.integrations import accelerate as plugin
+    from qwen35_accel.integrations import plugin
     from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm, build_tiny_moe_vlm, build_tiny_next_causal_lm
 
     plugin.install()

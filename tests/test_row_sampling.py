@@ -1,4 +1,4 @@
-"""Per-row sampling (`qwen35_accel.integrations.row_sampling`, `QWEN35_ACCEL_RL_GENERATION=split`):
+"""Per-row sampling (`qwen35_accel.integrations.trl.row_sampling`, `QWEN35_ACCEL_RL_GENERATION=split`):
 a row's tokens do not depend on the rows generated beside it, and each token is a sample of the
 distribution Transformers' own sampling draws from (TRL's generation config: temperature, top-k,
 top-p), through the real `generate`."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from qwen35_accel.integrations.row_sampling import row_seed, with_row_sampling
+from qwen35_accel.integrations.trl.row_sampling import row_seed, with_row_sampling
 from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
 # TRL's defaults are temperature 1, top_p 1, top_k 0: every warper on, at values that change the distribution.

@@ -22,7 +22,7 @@ def _worker(rank: int, world: int, cp: int, temperature: float) -> None:
 
     from qwen35_accel import PARALLELIZER, install
     from qwen35_accel.context_parallel import shard_batch
-    from qwen35_accel.integrations.trl_fused_head import check_no_unwrapped_trl_head
+    from qwen35_accel.integrations.trl.fused_head import check_no_unwrapped_trl_head
     from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 

@@ -8,7 +8,7 @@ loss, grad norm, `rewards/*`, `logps/*`, `logits/*`, `entropy`, `mean_token_accu
 `kl`, and the counts (`num_tokens`, exactly).
 
 Each cp rank holds the same whole rows; TRL's fused head shards them on entry and gathers the
-per-token fields back (`integrations/trl_whole_rows.py`). TRL's metric gathers inside these
+per-token fields back (`integrations/trl/whole_rows.py`). TRL's metric gathers inside these
 trainers would return each row cp times: `num_tokens` doubles, and precomputed reference
 log-probs (`*-precompute` variants) come back duplicated and land on other rows; under tp the
 same for the precomputed reference log-probs (TRL divides its token count by tp itself).

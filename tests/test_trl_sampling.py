@@ -39,7 +39,7 @@ def _worker(rank: int, world: int, cp: int) -> None:
     from trl.trainer.utils import add_fused_lm_head
 
     from qwen35_accel import PARALLELIZER, install
-    from qwen35_accel.integrations.trl_sampling import replicas
+    from qwen35_accel.integrations.trl.sampling import replicas
     from qwen35_accel.context_parallel import context_parallel_paused
     from qwen35_accel.parallel.context_parallel.model import context_parallel_mesh
     from qwen35_accel.parallel.tensor_parallel import gather_tensor_parallel
@@ -107,8 +107,8 @@ def _split_generation_equals_one_process(model, reference, mesh, batch) -> None:
     from transformers import GenerationConfig
 
     from qwen35_accel.context_parallel import context_parallel_paused
-    from qwen35_accel.integrations.row_sampling import row_seed, with_row_sampling
-    from qwen35_accel.integrations.trl_sampling import _generate_split
+    from qwen35_accel.integrations.trl.row_sampling import row_seed, with_row_sampling
+    from qwen35_accel.integrations.trl.sampling import _generate_split
 
     def generate_single_turn(self, prompt_ids, images, multimodal_fields):
         width = max(len(p) for p in prompt_ids)
@@ -140,7 +140,7 @@ def _replicated_generation_takes_the_group_leaders_completions(model, mesh, rank
     `_generate_single_turn` returns rank-dependent completions."""
     import types
 
-    from qwen35_accel.integrations.trl_sampling import trl_generate_without_cp
+    from qwen35_accel.integrations.trl.sampling import trl_generate_without_cp
 
     def generate_single_turn(self, prompt_ids, images, multimodal_fields):
         return [[rank + 1] * (i + 2) for i in range(len(prompt_ids))], None
@@ -176,7 +176,7 @@ def test_left_padded_generation_positions_are_one_sequence_per_row_not_packed_ro
 def test_left_padded_whole_rows_refuse_a_label_scored_from_padding():
     """A row whose first real token is labelled would be scored, in one process, from the padded
     position before it; moving the padding would silently drop that term: refused."""
-    from qwen35_accel.integrations.trl_whole_rows import _left_align
+    from qwen35_accel.integrations.trl.whole_rows import _left_align
 
     batch, _ = grpo_rows(64)
     batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # prompts labelled too
@@ -191,7 +191,7 @@ def test_what_cannot_be_shared_within_a_group_is_named():
 under cp has a refusal of its own: tests/test_trl_vlm_launch.py)."""
     from types import SimpleNamespace
 
-    from qwen35_accel.integrations.trl_sampling import _refusals
+    from qwen35_accel.integrations.trl.sampling import _refusals
 
     plain = SimpleNamespace(use_vllm=False, use_transformers_continuous_batching=False, rollout_func=None, tools=[],
                             environment_factories=None, _is_vlm=True)

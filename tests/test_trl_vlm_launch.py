@@ -5,7 +5,7 @@ every value TRL and the Trainer log per step.
 
 The VLM class declares `accepts_loss_kwargs = False`, so the Trainer passes SFTTrainer no
 `num_items_in_batch` and TRL divides by each rank's own label count. Under CP each rank holds
-other chunks of the same rows: before `trl_fused_head.sft_compute_loss`, cp 2 logged step 1's
+other chunks of the same rows: before `integrations/trl/fused_head.sft_compute_loss`, cp 2 logged step 1's
 grad norm 1.81125 against one process's 1.77462 (with images; text-only rows 1.3931 against
 1.3862 in the issue's run), while the plain Trainer was exact (the model's own loss reduces
 over the cp group).

@@ -105,10 +105,10 @@ def test_trl_fused_head_on_whole_rows_under_cp_equals_one_process(world, cp):
 def test_trl_trainers_under_cp_or_tp_with_another_trl_are_refused_naming_the_version():
     """The whole-row path is written against TRL 1.16's fused head, and GRPO/RLOO's replicas against
     its sampling: another TRL keeps the refusal, naming what was found and what is needed."""
-    from qwen35_accel.integrations.trl_trainers import trl_under_cp_error
-    from qwen35_accel.integrations.trl_whole_rows import whole_rows_supported
+    from qwen35_accel.integrations.trl.trainers import trl_under_cp_error
+    from qwen35_accel.integrations.trl.whole_rows import whole_rows_supported
 
-    from qwen35_accel.integrations.trl_trainers import trl_under_tp_error
+    from qwen35_accel.integrations.trl.trainers import trl_under_tp_error
 
     assert all(whole_rows_supported(name)[0] for name in ("DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer"))
     assert not whole_rows_supported("SFTTrainer")[0]  # sharded by the Trainer, not on whole rows

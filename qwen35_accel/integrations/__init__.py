@@ -1,1 +1,1 @@
-"""The Accelerate/Trainer integration (the plugin): see `accelerate.py` for the map of its modules."""
+"""The Accelerate/Trainer/TRL integration (the plugin), by upstream: see `plugin.py` for the map."""

@@ -123,7 +123,7 @@ def install() -> bool:
     if not _points:
         raise RuntimeError(
             "qwen35_accel: no patch points are registered; install through qwen35_accel.install() or "
-            "qwen35_accel.integrations.accelerate.install(), which import the registry first"
+            "qwen35_accel.integrations.plugin.install(), which import the registry first"
         )
     supported, version = ACCELERATE.check()
     if not supported:

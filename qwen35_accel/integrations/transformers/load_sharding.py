@@ -29,9 +29,9 @@ from typing import Any
 
 from torch import nn
 
-from .notices import main_process_note
-from .settings import PluginSettings
-from .targets import is_qwen35_module
+from ..notices import main_process_note
+from ..settings import PluginSettings
+from ..targets import is_qwen35_module
 
 _PLUGIN_WAYS = (
     "qwen35_accel trains them in fp32 when Accelerate prepares the model: launch with an FSDP2 Accelerate config "
@@ -73,7 +73,7 @@ def maybe_distribute_model(original: Any) -> classmethod:
 
 
 def _refuse_rounded_gates(model: nn.Module, distributed_config: Any) -> None:
-    from ..model.fp32_gate import rounded_gate_dtypes  # here: from_pretrained calls this for every model
+    from ...model.fp32_gate import rounded_gate_dtypes  # here: from_pretrained calls this for every model
 
     data_parallel = distributed_config.dp_size > 1
     reasons = []
@@ -120,10 +120,10 @@ def shard_with_the_plugin(model: nn.Module, distributed_config: Any, mesh_manage
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    from ..model.fp32_gate import rounded_gate_dtypes
-    from ..parallel.options import ParallelOptions
-    from ..parallelization import PARALLELIZER
-    from .settings import check_same_on_every_rank
+    from ...model.fp32_gate import rounded_gate_dtypes
+    from ...parallel.options import ParallelOptions
+    from ...parallelization import PARALLELIZER
+    from ..settings import check_same_on_every_rank
 
     settings = PluginSettings.from_env(strict=True)
     check_same_on_every_rank(settings)
@@ -138,8 +138,8 @@ def shard_with_the_plugin(model: nn.Module, distributed_config: Any, mesh_manage
         offload_policy=CPUOffloadPolicy() if distributed_config.fsdp_cpu_offload else None,
     )
     PARALLELIZER.apply(model, mesh, "fsdp", options=options)
-    from ..parallel.prepared import prepared_state
-    from .prepared_line import loss_in_effect
+    from ...parallel.prepared import prepared_state
+    from ..prepared_line import loss_in_effect
 
     prepared_state(model).source = "distributed_config"
 

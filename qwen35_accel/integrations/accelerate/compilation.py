@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from ..model.detect import Qwen35Parts
+    from ...model.detect import Qwen35Parts
 
 
 def take_over_compile(accelerator: Any, model: nn.Module) -> tuple[nn.Module, dict[str, Any] | None]:
@@ -36,7 +36,7 @@ def take_over_compile(accelerator: Any, model: nn.Module) -> tuple[nn.Module, di
         models = accelerator._models  # Accelerate appended the compiled wrapper before calling this preparation
         accelerator._models = [inner if m is model else m for m in models]
         model = inner
-    from ..parallel.regional_compile import REGION_ATTR
+    from ...parallel.regional_compile import REGION_ATTR
 
     for module in model.modules():  # use_regional_compilation: Accelerate's per-block compile, undone (not ours)
         if module.__dict__.get("_compiled_call_impl") is not None and not module.__dict__.get(REGION_ATTR):
@@ -50,7 +50,7 @@ def compile_prepared(parts: Qwen35Parts, compile_kwargs: dict[str, Any] | None, 
     returned keyword arguments; returns what the prepared line says about compilation ("" when
     nothing is compiled). `compiled_whole`: the script compiled the model itself (`_orig_mod`)."""
     if compile_kwargs is not None:
-        from ..parallel.regional_compile import compile_layer_regions
+        from ...parallel.regional_compile import compile_layer_regions
 
         regions = compile_layer_regions(parts, context_parallel=context_parallel, **compile_kwargs)
         moe = ", the routers and routed experts" if parts.family == "moe" else ""

@@ -47,7 +47,7 @@ _CHECKED: weakref.WeakSet[Any] = weakref.WeakSet()
 def _qwen35_inside(model: nn.Module) -> tuple[nn.Module | None, str | None]:
     """(the Qwen3.5 model inside what the Trainer calls, its family) — DDP's `.module`, torch.compile's
     and PEFT's wrappers looked through (FSDP2 keeps the module itself) — or (None, None)."""
-    from ..model.detect import qwen35_family, unwrap_qwen35
+    from ...model.detect import qwen35_family, unwrap_qwen35
 
     inner = getattr(model, "module", model)
     family = qwen35_family(inner) if isinstance(inner, nn.Module) else None
@@ -96,7 +96,7 @@ def _token_classifier_loss(trainer: Any, original: Callable[..., Any], model: nn
     """A token classifier's loss with the Trainer's count (see the module docstring): Transformers'
     `ForTokenClassification` loss given `num_items_in_batch` (summed over the labelled tokens, divided
     by the count) times the Trainer's scale. Under cp the CP forward reads the count itself."""
-    from ..parallel.context_parallel.model import context_parallel_mesh
+    from ...parallel.context_parallel.model import context_parallel_mesh
 
     if context_parallel_mesh(inner) is not None:
         return original(trainer, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch,
@@ -124,7 +124,7 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
                 num_items_in_batch: Any = None, **kwargs: Any) -> Any:
         from transformers.modeling_layers import GenericForTokenClassification
 
-        from ..model.detect import HEAD_CLASSES
+        from ...model.detect import HEAD_CLASSES
 
         own_loss = _models_own_loss(self, inputs)
         inner, family = _qwen35_inside(model) if own_loss else (None, None)
@@ -167,7 +167,7 @@ def trainer_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
                     "transformers<5.26 within the tested range, or QWEN35_ACCEL=0 and check the router term by hand."
                 )
             _CHECKED.add(self)
-            from ..parallel.expert_parallel.router import router_loss_coefficient
+            from ...parallel.expert_parallel.router import router_loss_coefficient
 
             coefficient = router_loss_coefficient(inner)
             keep = 1.0 / accumulation_divisor(self, num_items_in_batch, model.training)

@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from .compilation import compile_prepared, take_over_compile
-from .notices import main_process_note
-from .prepared_line import experts_note, hub_kernels_note, loss_in_effect, mixed_precision_note
-from .settings import PluginSettings, check_same_on_every_rank
-from .targets import is_plugin_fsdp2_module, prepared_by_accelerate, the_model
+from ..notices import main_process_note
+from ..prepared_line import experts_note, hub_kernels_note, loss_in_effect, mixed_precision_note
+from ..settings import PluginSettings, check_same_on_every_rank
+from ..targets import is_plugin_fsdp2_module, prepared_by_accelerate, the_model
 
 if TYPE_CHECKING:
-    from ..model.detect import Qwen35Parts
+    from ...model.detect import Qwen35Parts
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,9 @@ def prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, *args: Any) -> Any:
         model = the_model(args)
         if model is not None and is_plugin_fsdp2_module(model, self):
-            from ..model.fp32_gate import install_fp32_gate
+            from ...model.fp32_gate import install_fp32_gate
 
-            from .activation import install
+            from ..activation import install
 
             install()  # the deferred points (transformers.trainer is imported by now if a Trainer runs)
 
@@ -57,7 +57,7 @@ def prepare_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
 def _register_tensor_parallel_optimizers(model: nn.Module, prepared: tuple[Any, ...]) -> None:
     """Under TP, checkpoints (Accelerate's save_state, the Trainer's) must see each
     optimizer's state in Transformers' layout, as the model's."""
-    from ..parallel.tensor_parallel import register_optimizer_state_layout, tensor_parallel_group
+    from ...parallel.tensor_parallel import register_optimizer_state_layout, tensor_parallel_group
 
     if tensor_parallel_group(model) is None:
         return
@@ -135,11 +135,11 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-    from ..model.detect import FAMILIES, qwen35_parts
-    from ..ops.kernels import run_summary
-    from ..parallel.options import ParallelOptions
-    from ..parallel.tensor_parallel import check_no_cpu_offload
-    from ..parallelization import PARALLELIZER, mesh_dim_size
+    from ...model.detect import FAMILIES, qwen35_parts
+    from ...ops.kernels import run_summary
+    from ...parallel.options import ParallelOptions
+    from ...parallel.tensor_parallel import check_no_cpu_offload
+    from ...parallelization import PARALLELIZER, mesh_dim_size
 
     model, compile_kwargs = take_over_compile(accelerator, model)
     if isinstance(model, FSDPModule) or isinstance(model.__dict__.get("_modules", {}).get("_orig_mod"), FSDPModule):
@@ -152,8 +152,8 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     mesh = _fsdp_mesh(accelerator)
     tp = mesh_dim_size(mesh, "tp")
     if tp > 1 and settings.vocab_parallel_lm_head:
-        from ..model.detect import unwrap_qwen35
-        from .trl_fused_head import check_no_unwrapped_trl_head
+        from ...model.detect import unwrap_qwen35
+        from ..trl.fused_head import check_no_unwrapped_trl_head
 
         check_no_unwrapped_trl_head(unwrap_qwen35(model))
     check_no_cpu_offload(plugin.cpu_offload, tp)  # before the meta move below
@@ -174,10 +174,10 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     if loading is not None:
         loading.finish(accelerator, model, tensor_parallel=tp > 1)
     if tp > 1:
-        from ..parallel.tensor_parallel.clipping import check_one_gradient_mesh
+        from ...parallel.tensor_parallel.clipping import check_one_gradient_mesh
 
         check_one_gradient_mesh(model)
-    from ..parallel.prepared import prepared_state
+    from ...parallel.prepared import prepared_state
 
     prepared_state(model).source = "accelerate"  # the step hooks, evaluation and checkpoints act on it
     cp = mesh_dim_size(mesh, "cp")
@@ -228,7 +228,7 @@ class _RamEfficientLoading:
         if tensor_parallel:
             # Accelerate's loader copies full tensors into the per-head slices; ours
             # broadcasts rank 0's weights and each rank keeps its slice of its shard.
-            from ..parallel.tensor_parallel import load_full_state_dict
+            from ...parallel.tensor_parallel import load_full_state_dict
 
             model.to_empty(device=accelerator.device)
             load_full_state_dict(model, self.state_dict if accelerator.is_main_process else None)
@@ -267,7 +267,7 @@ def _one_activation_checkpointing(parts: Qwen35Parts, ours: bool, accelerate_off
     only some layers (`every_n_layers`) it stays Transformers', offload included. Returns the
     line's text, whether ours checkpoints and whether ours offloads.
     """
-    from ..parallel.activation_checkpointing import checkpoint_targets, describe_checkpoint_targets
+    from ...parallel.activation_checkpointing import checkpoint_targets, describe_checkpoint_targets
 
     layers = parts.decoder_layers
     flagged = [layer for layer in layers if getattr(layer, "gradient_checkpointing", False) is True]
@@ -360,8 +360,8 @@ def prepare_cp(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def note_restored_gates(model: nn.Module) -> None:
     """One line when `install_fp32_gate` took gate values back from the checkpoint (a bf16 load)."""
-    from ..model.detect import unwrap_qwen35
-    from ..model.fp32_gate import RESTORED_GATES_ATTR
+    from ...model.detect import unwrap_qwen35
+    from ...model.fp32_gate import RESTORED_GATES_ATTR
 
     restored = getattr(model, RESTORED_GATES_ATTR, 0)
     if restored:

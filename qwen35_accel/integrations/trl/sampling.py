@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..parallel.mesh import has_dim, mesh_device, mesh_dim_size
+from ...parallel.mesh import has_dim, mesh_device, mesh_dim_size
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def replica_view(trainer: Any, active: Replicas) -> Iterator[None]:
 
 
 def _applies(trainer: Any) -> Replicas | None:
-    from .targets import is_dense_qwen35_module, is_qwen35_module
+    from ..targets import is_dense_qwen35_module, is_qwen35_module
 
     model = getattr(trainer, "model", None)
     if model is None or not is_qwen35_module(model):
@@ -182,8 +182,8 @@ def trl_generate_without_cp(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         with contextlib.ExitStack() as stack:
             if active is not None:
-                from ..parallel.context_parallel.model import context_parallel_paused
-                from ..parallel.gathered_generation import units_gathered
+                from ...parallel.context_parallel.model import context_parallel_paused
+                from ...parallel.gathered_generation import units_gathered
 
                 stack.enter_context(context_parallel_paused(self.model_wrapped))
                 stack.enter_context(units_gathered(self.model_wrapped, self.accelerator.device, _cache_bytes(self, args, kwargs)))
@@ -217,8 +217,8 @@ def _cache_bytes(trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     """The generation cache this call's rows need (`generation_cache_bytes`): its prompts (TRL's
     `prompt_ids`, lists of token ids) each with `max_completion_length` new tokens, in the
     parameters' dtype, split over tp."""
-    from ..model.detect import unwrap_qwen35
-    from ..parallel.gathered_generation import generation_cache_bytes
+    from ...model.detect import unwrap_qwen35
+    from ...parallel.gathered_generation import generation_cache_bytes
 
     prompts = kwargs.get("prompt_ids", args[0] if args else None)
     if not prompts:
@@ -232,8 +232,8 @@ def _cache_bytes(trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 
 def _per_row_sampling(trainer: Any) -> bool:
-    from .settings import PluginSettings
-    from .targets import is_dense_qwen35_module
+    from ..settings import PluginSettings
+    from ..targets import is_dense_qwen35_module
 
     model = getattr(trainer, "model", None)
     return (model is not None and is_dense_qwen35_module(model)

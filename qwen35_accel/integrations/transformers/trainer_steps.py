@@ -1,45 +1,24 @@
-"""Per-step patch points: the step's context-parallel batch padding and sharding, and
-gradient clipping under tensor parallelism."""
+"""The Trainer's per-step points: the batch padded for context parallelism and its labels kept where
+they belong (`Trainer._prepare_context_parallel_inputs`), and each batch counted once by the ranks that
+share it (`_track_num_input_tokens`, `floating_point_ops`)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from .targets import prepared_by_accelerate
-from .trl_trainers import (
+from ..targets import prepared_by_accelerate
+from ..trl.trainers import (
     TRL_LOGPROB_TRAINERS,
     TRL_SAMPLING_TRAINERS,
     trl_trainer,
     trl_under_cp_error,
     trl_under_tp_error,
 )
-
-
-def maybe_context_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    @contextlib.contextmanager
-    def wrapper(
-        self: Any,
-        buffers: list[torch.Tensor] | None = None,
-        buffer_seq_dims: list[int] | None = None,
-        no_restore_buffers: set[torch.Tensor] | None = None,
-    ) -> Iterator[None]:
-        cp_mesh = getattr(self, "_qwen35_cp_mesh", None)
-        if cp_mesh is None:
-            with original(self, buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers):
-                yield
-            return
-        from ..context_parallel import sharded_buffers
-
-        with sharded_buffers(buffers or [], buffer_seq_dims, no_restore_buffers, cp_mesh):
-            yield
-
-    return wrapper
 
 
 def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -60,7 +39,7 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
         cp_mesh = getattr(accelerator, "_qwen35_cp_mesh", None)
         whole_rows = False
         if cp_mesh is not None and (trainer := trl_trainer(self, TRL_LOGPROB_TRAINERS)) is not None:
-            from .trl_whole_rows import whole_rows_supported
+            from ..trl.whole_rows import whole_rows_supported
 
             whole_rows, trl_version = whole_rows_supported(trainer)
             if not whole_rows:
@@ -69,7 +48,7 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
         if tp_size > 1 and (trainer := trl_trainer(self, TRL_SAMPLING_TRAINERS)) is not None and any(
             prepared_by_accelerate(m) for m in getattr(accelerator, "_models", [])
         ):
-            from .activation import TRL
+            from ..activation import TRL
 
             supported, trl_version = TRL.check()
             if not supported:
@@ -81,7 +60,7 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
         if cp_mesh is not None and isinstance(inputs, Mapping) and (  # collators may return a BatchEncoding
             inputs.get("input_ids") is not None or inputs.get("inputs_embeds") is not None
         ):
-            from ..context_parallel import pad_batch_for_context_parallel
+            from ...context_parallel import pad_batch_for_context_parallel
 
             # The CP context shards its buffers in place: hand it new tensor objects, so the
             # training loop's batch stays whole for what it counts after the step (tokens seen).
@@ -109,7 +88,7 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
 
 
 def _is_token_classifier(model: Any) -> bool:
-    from ..model.detect import is_token_classifier
+    from ...model.detect import is_token_classifier
 
     inner = getattr(model, "module", model)
     return isinstance(inner, torch.nn.Module) and is_token_classifier(inner)
@@ -119,7 +98,7 @@ def _sequence_classifier_pad_token(model: Any) -> int | None:
     """The pad token of a Qwen3.5 sequence classifier (reward model) the Trainer trains, None for any
     other model; ValueError for a classifier without one (the row's last position would be CP's
     padding)."""
-    from ..model.detect import is_sequence_classifier, unwrap_qwen35
+    from ...model.detect import is_sequence_classifier, unwrap_qwen35
 
     inner = getattr(model, "module", model)
     if not isinstance(inner, torch.nn.Module) or not is_sequence_classifier(inner):
@@ -138,7 +117,7 @@ def _refuse_logits_consumers_of_vocab_slices(trainer: Any, accelerator: Any) -> 
     """NotImplementedError (every rank, each step) when the Trainer would compute its loss from
     `outputs.logits` of a model whose lm_head is vocab-parallel: those logits are this rank's
     vocab slice, so label smoothing or a `compute_loss_func` would see a part of the vocabulary."""
-    from ..parallel.losses import VOCAB_GROUP_ATTR
+    from ...parallel.losses import VOCAB_GROUP_ATTR
 
     users = [
         what
@@ -150,7 +129,7 @@ def _refuse_logits_consumers_of_vocab_slices(trainer: Any, accelerator: Any) -> 
     ]
     if not users:
         return
-    from ..model.detect import unwrap_qwen35
+    from ...model.detect import unwrap_qwen35
 
     for model in getattr(accelerator, "_models", []):
         if prepared_by_accelerate(model) and getattr(unwrap_qwen35(model), VOCAB_GROUP_ATTR, None):
@@ -159,28 +138,6 @@ def _refuse_logits_consumers_of_vocab_slices(trainer: Any, accelerator: Any) -> 
                 "QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD=1 hold this rank's slice of the vocabulary (a wrong loss). "
                 "Turn vocab_parallel_lm_head off, or drop the label smoothing / compute_loss_func."
             )
-
-
-def clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def wrapper(self: Any, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
-        from ..parallel.tensor_parallel import clip_grad_norm_, tensor_parallel_group
-
-        models = [m for m in getattr(self, "_models", []) if prepared_by_accelerate(m)]
-        models = [m for m in models if tensor_parallel_group(m) is not None]
-        if models:
-            parameters = list(parameters)
-            given = {id(p) for p in parameters}
-            for model in models:  # the one being clipped (a frozen reference model may be prepared too)
-                if given == {id(p) for p in model.parameters()}:
-                    return clip_grad_norm_(model, max_norm, norm_type)
-            raise NotImplementedError(
-                "clip_grad_norm_ on a subset of a tensor-parallel Qwen3.5 model's parameters is not supported; "
-                "pass model.parameters()"
-            )
-        return original(self, parameters, max_norm, norm_type)
-
-    return wrapper
 
 
 def track_num_input_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -216,8 +173,8 @@ def floating_point_ops(original: Callable[..., Any]) -> Callable[..., Any]:
         accelerator = getattr(self, "accelerator", None)
         if _ranks_sharing_a_batch(accelerator) == 1:
             return original(self, inputs)
-        from ..parallel.mesh import has_dim
-        from ..parallel.tensor_parallel import tensor_parallel_numel_elsewhere
+        from ...parallel.mesh import has_dim
+        from ...parallel.tensor_parallel import tensor_parallel_numel_elsewhere
 
         mesh = accelerator.torch_device_mesh
         if any(has_dim(mesh, name) and mesh[name].get_local_rank() != 0 for name in ("cp", "tp")):
@@ -235,7 +192,7 @@ def floating_point_ops(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _ranks_sharing_a_batch(accelerator: Any) -> int:
     """cp × tp of the accelerator's mesh when it prepared a dense Qwen3.5 model, else 1."""
-    from ..parallel.mesh import mesh_dim_size
+    from ...parallel.mesh import mesh_dim_size
 
     mesh = getattr(accelerator, "torch_device_mesh", None)
     if mesh is None or not any(prepared_by_accelerate(m) for m in getattr(accelerator, "_models", [])):

@@ -10,10 +10,10 @@ from typing import Any
 
 from torch import nn
 
-from .notices import main_process_note
-from .settings import PluginSettings
+from ..notices import main_process_note
+from ..settings import PluginSettings
 from .preparation import note_restored_gates, refuse_expert_parallelism
-from .targets import is_qwen35_module
+from ..targets import is_qwen35_module
 
 
 def fsdp1_asked(accelerator: Any) -> bool:
@@ -37,7 +37,7 @@ def refuse_fsdp1(accelerator: Any, model: nn.Module) -> None:
     gates beside bf16 weights, or under a bf16 policy computes them bf16-rounded."""
     if not fsdp1_asked(accelerator):
         return
-    from ..model.detect import unwrap_qwen35
+    from ...model.detect import unwrap_qwen35
 
     raise ValueError(
         f"qwen35_accel: {type(unwrap_qwen35(model)).__name__} under FSDP v1 (fsdp_version: 1, Accelerate's default "
@@ -63,7 +63,7 @@ def _without_fsdp(accelerator: Any, model: nn.Module) -> bool:
 
 def _fp32_gates_wanted(model: nn.Module) -> bool:
     """The gates are stored below fp32 (a bf16 load) and `QWEN35_ACCEL_FP32_GATES` is on."""
-    from ..model.fp32_gate import rounded_gate_dtypes
+    from ...model.fp32_gate import rounded_gate_dtypes
 
     return bool(rounded_gate_dtypes(model)) and PluginSettings.from_env(strict=True).fp32_gates
 
@@ -84,8 +84,8 @@ def prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
         if is_qwen35_module(model) and _without_fsdp(self, model):
             refuse_expert_parallelism(model, f"Accelerate prepares this run without FSDP ({self.distributed_type})")
         if is_qwen35_module(model) and _without_fsdp(self, model) and _fp32_gates_wanted(model):
-            from ..model.detect import unwrap_qwen35
-            from ..model.fp32_gate import install_fp32_gate
+            from ...model.detect import unwrap_qwen35
+            from ...model.fp32_gate import install_fp32_gate
 
             converted = install_fp32_gate(model)  # every GatedDeltaNet: none held its gates in fp32 yet
             if converted:

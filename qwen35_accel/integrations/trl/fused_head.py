@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..parallel.losses import IGNORE_INDEX, VOCAB_GROUP_ATTR
-from ..parallel.tiled_head import linear_token_stats, lm_head_weights
+from ...parallel.losses import IGNORE_INDEX, VOCAB_GROUP_ATTR
+from ...parallel.tiled_head import linear_token_stats, lm_head_weights
 
 FUSED_HEAD_ATTR = "_qwen35_accel_fused_head"  # marks the forward this module installed
 ROUTER_LOSS_ATTR = "_qwen35_accel_router_loss"  # the router's loss of the last fused forward (MoE under a group)
@@ -137,8 +137,8 @@ def trl_add_fused_lm_head(original: Callable[..., Any]) -> Callable[..., Any]:
         cast_lm_head_to_fp32: bool = False,
         outputs: tuple[str, ...] = ("log_probs",),
     ) -> None:
-        from .targets import is_dense_qwen35_module, is_qwen35_module
-        from .trl_whole_rows import WHOLE_ROWS_KWARG, add_whole_rows_hook, gather_whole_rows
+        from ..targets import is_dense_qwen35_module, is_qwen35_module
+        from .whole_rows import WHOLE_ROWS_KWARG, add_whole_rows_hook, gather_whole_rows
 
         original(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=outputs)
         if not is_qwen35_module(model):
@@ -194,8 +194,8 @@ def _router_balance_group(model: nn.Module) -> Any:
     """The group a prepared Qwen3.5-MoE's router loss counts tokens over, beyond this rank's: dp_shard
     × cp with `moe_balance="global"`, else the cp group under cp > 1; None: this rank's tokens (TRL's
     own computation is then exact)."""
-    from ..parallel.expert_parallel.router import BALANCE_GROUP_ATTR
-    from .targets import prepared_qwen35
+    from ...parallel.expert_parallel.router import BALANCE_GROUP_ATTR
+    from ..targets import prepared_qwen35
 
     qwen = prepared_qwen35(model)
     global_group = getattr(qwen, BALANCE_GROUP_ATTR, None) if qwen is not None else None
@@ -214,8 +214,8 @@ def _fused_forward_with_router_loss(
     reduces the loss's three sums over `group`: the value is one process's on those tokens, the
     gradient this rank's share (scaled for FSDP2's average, as the cross entropy). It is added to
     `loss` and returned as `aux_loss`, as TRL does."""
-    from ..model.detect import ROUTER_CLASSES
-    from ..parallel.expert_parallel.router import router_balance_loss
+    from ...model.detect import ROUTER_CLASSES
+    from ...parallel.expert_parallel.router import router_balance_loss
 
     recorded: list[torch.Tensor] = []
     handles = [module.register_forward_hook(lambda _m, _i, out: recorded.append(out[0]))
@@ -238,8 +238,8 @@ def _fused_forward_with_router_loss(
 
 def _cp_group_of(model: nn.Module) -> Any:
     """The cp process group of the prepared dense Qwen3.5 model inside `model` (under CP now), else None."""
-    from ..parallel.context_parallel.model import context_parallel_mesh
-    from .targets import prepared_qwen35
+    from ...parallel.context_parallel.model import context_parallel_mesh
+    from ..targets import prepared_qwen35
 
     qwen = prepared_qwen35(model)
     mesh = context_parallel_mesh(qwen) if qwen is not None else None

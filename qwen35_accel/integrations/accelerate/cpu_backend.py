@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .notices import main_process_note
-from .settings import PluginSettings
+from ..notices import main_process_note
+from ..settings import PluginSettings
 
 
 def no_accelerator() -> bool:

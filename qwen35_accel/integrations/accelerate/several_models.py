@@ -18,9 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..parallel.mesh import mesh_dim_size
-from .targets import is_dense_qwen35_module, prepared_by_accelerate
-from .trl_trainers import trl_under_cp_error
+from ...parallel.mesh import mesh_dim_size
+from ..targets import is_dense_qwen35_module
 
 
 def prepare_extra_model(accelerator: Any, model: nn.Module, *, register: bool) -> nn.Module:
@@ -29,7 +28,7 @@ def prepare_extra_model(accelerator: Any, model: nn.Module, *, register: bool) -
     CP/TP layers) on the accelerator's mesh, its storage dtype kept under mixed precision (no
     fp32 master weights: nothing updates them). `register`: added to the accelerator's prepared
     models, as `Accelerator.prepare` does (TRL's `prepare_fsdp` does not)."""
-    from ..model.fp32_gate import install_fp32_gate
+    from ...model.fp32_gate import install_fp32_gate
     from .preparation import prepare_qwen35_fsdp2
 
     install_fp32_gate(model)
@@ -82,32 +81,3 @@ def prepare(original: Callable[..., Any]) -> Callable[..., Any]:
         return tuple(result) if len(result) > 1 else result[0]
 
     return wrapper
-
-
-def trl_prepare_fsdp(trainer: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The wrapper of TRL's `prepare_fsdp(model, accelerator)` as `trainer`'s module imports it
-    (its reference model): for a dense Qwen3.5 model under FSDP2, `prepare_extra_model`, in
-    eval mode, as TRL leaves it. Under context parallelism DPO, KTO, GRPO and RLOO (TRL 1.16)
-    get their reference model's log-probabilities of whole rows as the policy's
-    (`trl_whole_rows`); with another TRL they are refused."""
-
-    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def wrapper(model: nn.Module, accelerator: Any) -> nn.Module:
-            plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
-            if is_dense_qwen35_module(model) and plugin is not None and plugin.fsdp_version == 2 and not prepared_by_accelerate(model):
-                parallelism = getattr(accelerator, "parallelism_config", None)
-                if parallelism is not None and parallelism.cp_enabled:
-                    from .trl_whole_rows import whole_rows_supported
-
-                    supported, trl_version = whole_rows_supported(trainer)
-                    if not supported:
-                        raise trl_under_cp_error(trainer, parallelism.cp_size, trl_version)
-                model = prepare_extra_model(accelerator, model, register=False)
-                model.eval()
-                return model
-            return original(model, accelerator)
-
-        return wrapper
-
-    return wrap

@@ -37,11 +37,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..parallel.collectives import all_gather_flat
-from ..parallel.losses import IGNORE_INDEX
-from ..parallel.mesh import mesh_dim_size
-from .activation import TRL
-from .trl_trainers import TRL_WHOLE_ROW_TRAINERS
+from ...parallel.collectives import all_gather_flat
+from ...parallel.losses import IGNORE_INDEX
+from ...parallel.mesh import mesh_dim_size
+from ..activation import TRL
+from .trainers import TRL_WHOLE_ROW_TRAINERS
 
 WHOLE_ROWS_KWARG = "_qwen35_accel_whole_rows"  # the sharded call's record, consumed by the fused-head forward
 _PRE_HOOK_ATTR = "_qwen35_accel_whole_rows_hook"
@@ -149,8 +149,8 @@ def shard_whole_rows(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     shifted over the whole row into `shift_labels`, right-padded to a multiple of 2·cp, global
     `position_ids`), with a `WholeRows` record for the forward to gather the fields back. Any other
     call is left alone (None)."""
-    from ..context_parallel import shard_batch
-    from ..parallel.context_parallel.model import context_parallel_mesh
+    from ...context_parallel import shard_batch
+    from ...parallel.context_parallel.model import context_parallel_mesh
 
     if not kwargs.get("fused_lm_head") or kwargs.get("labels") is None or kwargs.get("shift_labels") is not None:
         return None
@@ -204,7 +204,7 @@ def gather_whole_rows(output: Any, whole: WholeRows, num_items_in_batch: Any) ->
     all-gather per dtype of the fields; its backward sends each rank its chunks' gradients."""
     from trl.trainer.utils import FusedCausalLMOutput
 
-    from ..context_parallel import gather_sequence
+    from ...context_parallel import gather_sequence
 
     names = [name for name in _PER_TOKEN if getattr(output, name, None) is not None]
     dtype = output.log_probs.dtype
@@ -268,7 +268,7 @@ def counted_once_per_cp_group(accelerator: Any, dims: tuple[str, ...] = ("cp",))
 
 
 def _applies(trainer: Any) -> bool:
-    from .targets import is_dense_qwen35_module
+    from ..targets import is_dense_qwen35_module
 
     model = getattr(trainer, "model", None)
     return model is not None and is_dense_qwen35_module(model)

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.mesh import has_dim, sub_mesh
-from .targets import prepared_qwen35
-from .trl_trainers import trl_trainer
+from ...parallel.mesh import has_dim, sub_mesh
+from ..targets import prepared_qwen35
+from ..trl.trainers import trl_trainer
 
 
 _STOCK = object()  # every rank holds its own batch: stock gathering
@@ -117,8 +117,8 @@ def _gather_rows_once(accelerator: Any, input_data: Any, use_gather_object: bool
 def _assemble_logits(model: nn.Module, logits: Any, cp_mesh: Any, local_seq: int | None, seq: int | None) -> Any:
     """Every tensor of `logits` whose dim 1 is the local sequence: gathered over cp and cut to
     `seq`; a vocab-parallel lm_head's `[…, vocab / tp]` slice: gathered over tp."""
-    from ..context_parallel import gather_sequence
-    from ..parallel.tensor_parallel import (
+    from ...context_parallel import gather_sequence
+    from ...parallel.tensor_parallel import (
         VOCAB_GROUP_ATTR,
         gather_vocab_parallel_logits,
     )
@@ -148,8 +148,8 @@ def prediction_step(original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(
         self: Any, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
     ) -> tuple[Any, Any, Any]:
-        from ..parallel.context_parallel.model import context_parallel_mesh
-        from ..parallel.tensor_parallel import VOCAB_GROUP_ATTR
+        from ...parallel.context_parallel.model import context_parallel_mesh
+        from ...parallel.tensor_parallel import VOCAB_GROUP_ATTR
 
         qwen = prepared_qwen35(model)
         cp_mesh = context_parallel_mesh(qwen) if qwen is not None else None
@@ -202,8 +202,8 @@ def _preprocess_per_chunk(fn: Callable[..., Any], logits: Any, labels: Any, cp_m
     its per-position output [batch, local_seq, ...] assembled over cp and cut to `seq`.
     Exact for position-wise functions (argmax, top-k, per-token log-probs); others raise
     where their output has no per-position shape."""
-    from ..context_parallel import gather_sequence
-    from ..parallel.context_parallel.chunks import pad_for_context_parallel, shard_sequence
+    from ...context_parallel import gather_sequence
+    from ...parallel.context_parallel.chunks import pad_for_context_parallel, shard_sequence
 
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
@@ -227,8 +227,8 @@ def evaluation_loop(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from ..parallel.context_parallel.model import context_parallel_mesh
-        from .settings import PluginSettings
+        from ...parallel.context_parallel.model import context_parallel_mesh
+        from ..settings import PluginSettings
 
         gather_function = self.gather_function
         bound = getattr(gather_function, "func", gather_function)
@@ -281,7 +281,7 @@ def _sft_prediction_step(
     runs the whole sequence, which the CP model refuses); the loss TRL's per-token mean over
     the label tokens of the whole batch (each rank's is over its own chunks'). TRL's entropy
     and accuracy sum their counts over every process themselves."""
-    from ..parallel.context_parallel.model import context_parallel_mesh
+    from ...parallel.context_parallel.model import context_parallel_mesh
 
     qwen = prepared_qwen35(model)
     cp_mesh = context_parallel_mesh(qwen) if qwen is not None else None

@@ -48,7 +48,7 @@ def _build(cp: int, seq: int, shape: dict[str, Any], offload: bool, device: str)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR
+    from qwen35_accel.model.state import find_state
     from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
     if cp == 1:
@@ -60,7 +60,7 @@ def _build(cp: int, seq: int, shape: dict[str, Any], offload: bool, device: str)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device == "cuda" else None
     PARALLELIZER.apply(model, mesh, mp_policy=policy, activation_checkpointing=True, activation_offload=offload)
     if offload:
-        getattr(model, ACTIVATION_OFFLOAD_ATTR).always_copy = device == "cpu"  # run the copy path on CPU too
+        find_state(model).activation_offload.always_copy = device == "cpu"  # run the copy path on CPU too
     return model, mesh
 
 
@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, seq: int, rounds: int, warmup: int, steps: in
     import torch
     import torch.distributed as dist
 
-    from qwen35_accel.parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR
+    from qwen35_accel.model.state import find_state, state_of
     from qwen35_accel.testing.saved_tensors import saved_bytes_by_part
 
     cuda = device == "cuda"
@@ -79,7 +79,7 @@ def _worker(rank: int, world: int, seq: int, rounds: int, warmup: int, steps: in
             model, mesh = _build(world, seq, shape, name == "on", device)
             batch = {k: v.to(device) for k, v in make_batch(world, seq, mesh, shape).items()}
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-            offload = getattr(model, ACTIVATION_OFFLOAD_ATTR, None)
+            offload = (find_state(model) or state_of(model)).activation_offload
 
             def step() -> float:
                 loss = model(**batch).loss

@@ -19,13 +19,14 @@ from torch.distributed.tensor import DTensor
 
 from .model.detect import FAMILIES, Qwen35Parts, qwen35_parts, unwrap_qwen35
 from .model.fp32_gate import HOLDER_NAME, install_fp32_gate
+from .model.state import own_state
 from .parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpoint_targets,
     describe_checkpoint_targets,
     vision_tower_trains,
 )
-from .parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR, ActivationOffload
+from .parallel.activation_offload import ActivationOffload
 from .parallel.expert_parallel.experts import (
     ExpertMesh,
     build_expert_mesh,
@@ -188,7 +189,7 @@ class Qwen3_5ModelParallelizer:
         offload = ActivationOffload() if prep.options.activation_offload else None
         apply_activation_checkpointing(checkpoint_targets(prep.parts), offload)
         if offload is not None:
-            setattr(prep.model, ACTIVATION_OFFLOAD_ATTR, offload)
+            own_state(prep.base).activation_offload = offload
 
     def fsdp2(self, prep: Preparation) -> None:
         """Dtype-uniform FSDP2 units over the FSDP mesh (`apply_fsdp_sharding`)."""

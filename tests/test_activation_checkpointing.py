@@ -58,7 +58,7 @@ def _offload_worker(rank: int, world: int) -> None:
     from qwen35_accel.context_parallel import shard_batch
     from qwen35_accel.memory import ModelShape, Parallel, StepOptions
     from qwen35_accel.memory.layers import host_activations
-    from qwen35_accel.parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR
+    from qwen35_accel.model.state import find_state
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
     mesh = init_device_mesh("cpu", (1, 1, world, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
@@ -68,7 +68,7 @@ def _offload_worker(rank: int, world: int) -> None:
     want = reference(**batch).loss
     want.backward()
     model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh, activation_checkpointing=True, activation_offload=True)
-    offload = getattr(model, ACTIVATION_OFFLOAD_ATTR)
+    offload = find_state(model).activation_offload
     config = model.config
     local = shard_batch(batch, mesh["cp"])
     hidden_bytes = local["input_ids"].numel() * config.hidden_size * 4  # one layer's input hidden states, fp32

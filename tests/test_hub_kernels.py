@@ -39,7 +39,7 @@ def _kernelized(path, monkeypatch) -> nn.Module:
 
 def test_the_fp32_gate_layers_run_their_own_forward_after_kernelize(tmp_path, monkeypatch):
     from qwen35_accel.model.fp32_gate import Fp32GateGatedDeltaNet, install_fp32_gate
-    from qwen35_accel.model.hub_kernels import HUB_KERNELS_ATTR
+    from qwen35_accel.model.state import state_of
 
     from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
@@ -49,7 +49,7 @@ def test_the_fp32_gate_layers_run_their_own_forward_after_kernelize(tmp_path, mo
     layers = [m for m in model.modules() if isinstance(m, Fp32GateGatedDeltaNet)]
     assert layers and all(m.forward.__func__ is Fp32GateGatedDeltaNet.forward for m in layers)
     assert not [m for m in model.modules() if isinstance(m, MARKED) and "forward" in m.__dict__]
-    assert getattr(model, HUB_KERNELS_ATTR) == []  # turned off; nothing but own forwards had been bound (CPU)
+    assert state_of(model).hub_kernels == []  # turned off; nothing but own forwards had been bound (CPU)
     assert model._use_kernels is False or not hasattr(type(model), "use_kernels")  # train() kernelizes no more
 
 

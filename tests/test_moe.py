@@ -115,9 +115,9 @@ def _dp_worker(rank: int, world: int) -> None:
     # checkpointing and activation offload (each layer's input in host memory, recomputed: the
     # same routing).
     model, _ = _parity(rank, world, ep=1, cp=1, num_experts=6, activation_checkpointing=True, activation_offload=True)
-    from qwen35_accel.parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR
+    from qwen35_accel.model.state import find_state
 
-    offload = getattr(model, ACTIVATION_OFFLOAD_ATTR)
+    offload = find_state(model).activation_offload
     assert offload.stats.tensors > 0, offload.stats  # every layer's input went through the offload hooks
     holders = [m for name, m in model.named_modules() if name.endswith(HOLDER_NAME)]
     assert len(holders) == 2 and all(p.dtype == torch.float32 for h in holders for p in h.parameters())
@@ -150,14 +150,15 @@ def test_a_bf16_load_of_a_moe_checkpoint_gets_its_fp32_gates_back_bitwise(tmp_pa
     checkpoint's fp32 values back, as for the dense family."""
     from transformers import AutoModelForCausalLM
 
-    from qwen35_accel.model.fp32_gate import RESTORED_GATES_ATTR, install_fp32_gate
+    from qwen35_accel.model.fp32_gate import install_fp32_gate
+    from qwen35_accel.model.state import state_of
     from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
 
     saved = build_tiny_moe_causal_lm(seed=0)
     saved.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert loaded.model.layers[0].linear_attn.A_log.dtype == torch.bfloat16
-    assert install_fp32_gate(loaded) == 2 and getattr(loaded, RESTORED_GATES_ATTR) == 4
+    assert install_fp32_gate(loaded) == 2 and state_of(loaded).restored_gates == 4
     for got, want in zip(loaded.model.layers[:2], saved.model.layers[:2]):
         for name in ("A_log", "dt_bias"):
             value = getattr(got.linear_attn, name)
@@ -320,6 +321,7 @@ def _global_balance_worker(rank: int, world: int) -> None:
     rank means average to the global mean: equal token counts); "rank" would not (its router
     loss is each rank's rows', the comparison `_dp_worker` makes)."""
     from qwen35_accel import PARALLELIZER
+    from qwen35_accel.model.state import state_of
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_moe_causal_lm, random_batch
     from test_fsdp_parity import accelerate_style_mesh
 
@@ -338,7 +340,7 @@ def _global_balance_worker(rank: int, world: int) -> None:
     assert assert_grads_match(model, reference) > 0
     # Dense models have no router: the option changes nothing there.
     dense = PARALLELIZER.apply(build_tiny_causal_lm(seed=0), accelerate_style_mesh(world), moe_balance="global")
-    assert not hasattr(dense, "_qwen35_moe_balance_group")
+    assert state_of(dense).balance_group is None
     with pytest.raises(ValueError, match="moe_balance"):
         PARALLELIZER.apply(build_tiny_moe_causal_lm(seed=0), accelerate_style_mesh(world), moe_balance="batch")
     dist.barrier()

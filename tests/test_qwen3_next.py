@@ -73,10 +73,10 @@ def _fsdp_worker(rank: int, world: int) -> None:
         got.loss.backward()
         assert assert_grads_match(model, reference) > 0  # routers, experts, shared experts and gates included
         # The router's balance over the global batch (QWEN35_ACCEL_MOE_BALANCE=global): its sums reduced over dp_shard.
-    from qwen35_accel.parallel.expert_parallel.router import BALANCE_GROUP_ATTR
+    from qwen35_accel.model.state import state_of
 
     model = PARALLELIZER.apply(build_tiny_next_causal_lm(seed=0), cp_mesh(world, 1), moe_balance="global")
-    assert getattr(model, BALANCE_GROUP_ATTR, None) is not None
+    assert state_of(model).balance_group is not None
     dist.barrier()
 
 

@@ -337,7 +337,7 @@ def test_a_reward_model_on_the_moe_backbone_under_ep2_trains_as_one_process():
 def _memory_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import shard_batch
-    from qwen35_accel.parallel.activation_offload import ACTIVATION_OFFLOAD_ATTR
+    from qwen35_accel.model.state import find_state
     from qwen35_accel.parallel.fsdp import describe_units
     from qwen35_accel.testing.tiny import build_tiny_sequence_classifier
     from test_cp_model import cp_mesh
@@ -366,7 +366,7 @@ def _memory_worker(rank: int, world: int) -> None:
             assert_close(got.loss.detach(), want.loss.detach(), "loss")
         got.loss.backward()
         if offload:
-            assert getattr(model, ACTIVATION_OFFLOAD_ATTR).stats.tensors > 0, "no saved input went through the offload hooks"
+            assert find_state(model).activation_offload.stats.tensors > 0, "no saved input went through the offload hooks"
         assert assert_grads_match(model, reference) > 0
         dist.barrier()
 

@@ -20,6 +20,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from _dist import run_world
 from _parity import assert_close, assert_grads_match, hf_name
+from qwen35_accel.model.state import state_of
 from qwen35_accel.parallel.tiled_head import LOSS_MODES
 from qwen35_accel.parallel.tiled_loss import install_tiled_loss, tiled_loss_choice, tiled_loss_mode, uses_tiled_loss
 from qwen35_accel.testing.tiny import build_tiny_causal_lm, build_tiny_vlm, mixed_vlm_batch, random_batch
@@ -83,7 +84,7 @@ def test_forwards_that_are_not_training_steps_keep_transformers_logits():
     assert torch.equal(model(**unlabelled).logits, reference(**unlabelled).logits)
     assert model(**unlabelled, logits_to_keep=1).logits.shape[1] == 1
     assert isinstance(model(**batch, return_dict=False), tuple)
-    setattr(model, "_qwen35_tiled_loss", False)  # turned off: Transformers' path in training too
+    state_of(model).tiled_loss = None  # turned off: Transformers' path in training too
     assert model(**batch).logits is not None
 
 

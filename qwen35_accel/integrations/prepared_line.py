@@ -21,9 +21,10 @@ def experts_note(model: nn.Module) -> str:
 
 def hub_kernels_note(model: nn.Module) -> str:
     """For the prepared line: that Transformers' kernelize was turned off, and what it had replaced."""
-    from ..model.hub_kernels import HUB_KERNELS_ATTR
+    from ..model.state import find_state
 
-    replaced = getattr(model, HUB_KERNELS_ATTR, None)
+    state = find_state(model)
+    replaced = state.hub_kernels if state is not None else None
     if replaced is None:
         return ""
     had = f"; it had replaced {', '.join(replaced)}" if replaced else ""

@@ -15,6 +15,18 @@ def prepared_by_accelerate(model: Any) -> bool:
     return prepared(model if isinstance(model, nn.Module) else None)
 
 
+def accelerator_cp_mesh(accelerator: Any) -> Any:
+    """The cp mesh of the Qwen3.5-family models the plugin prepared on `accelerator` (its prepared
+    models' state; paused by generation or not), or None: the step's CP context is then Accelerate's."""
+    from ..model.state import find_state
+
+    for model in getattr(accelerator, "_models", []):
+        state = find_state(model) if isinstance(model, nn.Module) else None
+        if state is not None and state.cp_mesh is not None and prepared_by_accelerate(model):
+            return state.cp_mesh
+    return None
+
+
 def is_dense_qwen35_module(model: Any) -> bool:
     """A module the plugin takes over (dense Qwen3.5); anything else keeps Accelerate's path."""
     from ..model.detect import is_dense_qwen35

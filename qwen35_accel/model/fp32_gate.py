@@ -38,18 +38,18 @@ from .gate_holder import (  # noqa: F401  (re-exported: the names the package's 
     _gate_state_dict_post_hook,
     transformers_name,
 )
-from .detect import is_sequence_classifier
+from .detect import is_sequence_classifier, unwrap_qwen35
 from .hub_kernels import swap_class, turn_off_hub_kernels
 from .kernel_functions import kernel_function as _kernel
 from .kernel_functions import varlen_kernel as _varlen_kernel
 from .packing import install_packing_hook
+from .state import own_state
 
 # Transformers >= 5.25 splits off the tokens whose states a cache recording its past keeps (assisted
 # decoding), none by default, and runs the chunked rule on the rest: the same ops here, so the
 # layer stays bitwise Transformers' (the split changes the gradients' layout, hence their rounding).
 KEEPS_STATES = hasattr(Cache, "get_recurrent_states_to_keep")
 
-RESTORED_GATES_ATTR = "_qwen35_restored_gates"  # how many gate tensors took the checkpoint's values back
 COMPILED_STEPS_ATTR = "_qwen35_compiled_steps"  # {"project"|"output"|"mix": compiled step}, by parallel.regional_compile
 
 
@@ -436,7 +436,7 @@ def install_fp32_gate(model: nn.Module) -> int:
     if arrived:
         restored = restore_checkpoint_gates(model, arrived)
         if restored:  # for the plugin's prepared line
-            setattr(model, RESTORED_GATES_ATTR, getattr(model, RESTORED_GATES_ATTR, 0) + restored)
+            own_state(unwrap_qwen35(model)).restored_gates += restored
     one_score_per_row = is_sequence_classifier(model)  # packed rows refused: one score per row
     for module in model.modules():  # every text decoder that holds converted layers
         if isinstance(module, TEXT_MODEL_CLASSES) and any(has_fp32_gate(m) for m in module.modules()):

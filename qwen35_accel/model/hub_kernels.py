@@ -22,7 +22,6 @@ import types
 
 from torch import nn
 
-HUB_KERNELS_ATTR = "_qwen35_hub_kernels_turned_off"  # what turn_off_hub_kernels found, for the prepared line
 
 
 def _kernelize_forward(module: nn.Module) -> types.MethodType | None:
@@ -40,7 +39,7 @@ def turn_off_hub_kernels(model: nn.Module) -> list[str] | None:
     Returns None when nothing was kernelized, else what Hub kernels had replaced, one
     `'Class.forward -> kernel'` entry per class (empty where kernelize only bound each class's own
     forward, as on devices its mapping has no kernel for, CPU included), for the prepared line
-    (`HUB_KERNELS_ATTR` on `model`). Idempotent: None the second time.
+    (`ModelState.hub_kernels` of the Qwen3.5 model inside). Idempotent: None the second time.
     """
     marked = [m for m in model.modules() if hasattr(type(m), "kernel_layer_name") and _kernelize_forward(m) is not None]
     kernelizing = [m for m in model.modules() if getattr(m, "_use_kernels", False) is True]  # PreTrainedModels
@@ -58,7 +57,10 @@ def turn_off_hub_kernels(model: nn.Module) -> list[str] | None:
         if hasattr(type(module), "kernel_layer_name") and _kernelize_forward(module) is not None:
             del module.__dict__["forward"]
     found = [f"{name} -> {kernel}" for name, kernel in sorted(replaced.items())]
-    setattr(model, HUB_KERNELS_ATTR, found)
+    from .detect import unwrap_qwen35
+    from .state import own_state
+
+    own_state(unwrap_qwen35(model)).hub_kernels = found
     return found
 
 

@@ -50,8 +50,6 @@ import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
 
-ACTIVATION_OFFLOAD_ATTR = "_qwen35_activation_offload"  # on the model: its `ActivationOffload`
-
 
 @dataclasses.dataclass
 class OffloadStats:

@@ -16,7 +16,6 @@ from .collectives import reduce_from_group
 
 IGNORE_INDEX = -100
 # Set on the model by a vocab-parallel lm_head: its tp group (the logits hold a vocab slice).
-VOCAB_GROUP_ATTR = "_qwen35_vocab_group"
 
 
 CP_NEEDS_SHIFT_LABELS = (

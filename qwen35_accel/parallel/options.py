@@ -39,7 +39,7 @@ class ParallelOptions:
     - `activation_checkpointing`: each decoder layer and, when the vision tower trains, each vision
       block (`checkpoint_targets`); `activation_offload` (needs it): their saved inputs live in host
       memory between forward and backward (`parallel.activation_offload`; the model's
-      `_qwen35_activation_offload` counts what moved).
+      `ModelState.activation_offload` counts what moved).
     - `enable_fsdp2_prefetch`, `fsdp2_forward_prefetch_depth`, `fsdp2_backward_prefetch_depth`:
       explicit prefetch of the units in layer order, embedding to tail.
     - `frozen_multimodal_sharding`: a frozen vision tower "root" (in the root unit), "replicate" or

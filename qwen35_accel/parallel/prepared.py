@@ -2,8 +2,8 @@
 `PARALLELIZER.apply`'s pipeline and then kept on the model, where every later reader finds it
 (`prepared_state`): the model and its parts, the mesh's dims, the options, who prepared it.
 
-It is a plain attribute of the model as passed and of the Qwen3.5 model inside it (never a
-submodule or a parameter: checkpoints and `named_modules()` do not see it).
+It is kept in the model's one `ModelState` (`model/state.py`, with what each installer made),
+shared by the model as passed and the Qwen3.5 model inside it.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import dataclasses
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..model.detect import Qwen35Parts, unwrap_qwen35
+from ..model.detect import Qwen35Parts
+from ..model.state import STATE_ATTR, find_state, own_state
 from .expert_parallel.experts import ExpertMesh
 from .mesh import ParallelDims
 from .options import ParallelOptions
 
-PREPARED_ATTR = "_qwen35_prepared"
 SOURCES: tuple[str, ...] = ("apply", "accelerate", "distributed_config")
 
 
@@ -49,21 +49,18 @@ class Preparation:
 
 
 def attach_preparation(prep: Preparation) -> None:
-    """Keep `prep` on the model as passed and on the Qwen3.5 model inside it."""
-    for module in {id(prep.model): prep.model, id(prep.base): prep.base}.values():
-        module.__dict__[PREPARED_ATTR] = prep
+    """Keep `prep` in the state of the Qwen3.5 model inside, and share that state with the model as
+    passed (a PEFT wrapper)."""
+    state = own_state(prep.base)
+    state.preparation = prep
+    prep.model.__dict__[STATE_ATTR] = state
 
 
 def prepared_state(model: nn.Module | None) -> Preparation | None:
     """The `Preparation` of a model `PARALLELIZER.apply` prepared, looked up through DDP's `.module`,
     torch.compile's and PEFT's wrappers; None for any other model (or None)."""
-    for module in (model, getattr(model, "module", None)):
-        if isinstance(module, nn.Module):
-            for candidate in (module, unwrap_qwen35(module)):
-                state = candidate.__dict__.get(PREPARED_ATTR)
-                if state is not None:
-                    return state
-    return None
+    state = find_state(model)
+    return state.preparation if state is not None else None
 
 
 def prepared_by_accelerate(model: nn.Module | None) -> bool:

@@ -36,13 +36,12 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 from transformers.models.qwen4_exp import modeling_qwen4_exp as hf_qwen4
 
-from .losses import CP_NEEDS_SHIFT_LABELS, IGNORE_INDEX, VOCAB_GROUP_ATTR, CausalLMLoss, reduce_token_loss
+from ..model.state import own_state, state_of
+from .losses import CP_NEEDS_SHIFT_LABELS, IGNORE_INDEX, CausalLMLoss, reduce_token_loss
 from .expert_parallel.router import router_loss_coefficient
 from .tiled_head import DEFAULT_LOSS_MODE, LOSS_MODES, linear_cross_entropy_sum, lm_head_weights
 
 TILED_LOSS_CHOICES: tuple[str, ...] = ("off", *LOSS_MODES)
-TILED_LOSS_ATTR = "_qwen35_tiled_loss"  # the mode; False on an installed model: Transformers' path again
-TILE_ATTR = "_qwen35_tiled_loss_tile"  # tokens per block; None: `block_shape`'s
 _TILED_CLASSES: dict[type, type] = {}
 # The classes that take the tiled loss, with the output class of their forward.
 _OUTPUT_CLASSES: dict[type, type] = {
@@ -60,12 +59,12 @@ _MOE_CLASSES = (hf_moe.Qwen3_5MoeForCausalLM, hf_moe.Qwen3_5MoeForConditionalGen
 
 def uses_tiled_loss(model: nn.Module) -> bool:
     """Whether training forwards of `model` compute the tiled loss."""
-    return bool(getattr(model, TILED_LOSS_ATTR, False))
+    return state_of(model).tiled_loss is not None
 
 
 def tiled_loss_mode(model: nn.Module) -> str:
     """The tiled loss's mode on `model`: "recompute", "hold", or "off" (Transformers' loss)."""
-    return getattr(model, TILED_LOSS_ATTR, False) or "off"
+    return state_of(model).tiled_loss or "off"
 
 
 def tiled_loss_choice(value: bool | str) -> str:
@@ -111,8 +110,8 @@ def tiled_causal_lm_loss(
         weight,
         bias,
         targets[labelled],
-        group=getattr(model, VOCAB_GROUP_ATTR, None),
-        tile=getattr(model, TILE_ATTR, None),
+        group=state_of(model).vocab_group,
+        tile=state_of(model).tile,
         mode=tiled_loss_mode(model),
     )
     return reduce_token_loss(local_sum, labelled.sum(), loss_kwargs.get("num_items_in_batch"), cp_group)
@@ -122,11 +121,9 @@ def _router_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...], atte
     """Transformers' load-balancing loss; under CP (the CP pre-hook hands the layers a dict of
     masks, the padding mask under "linear_attention") its sums reduced over the cp group, with
     `moe_balance="global"` over dp_shard × cp (`parallel.expert_parallel.router`)."""
-    from .expert_parallel.router import BALANCE_GROUP_ATTR
-
     loss_function = model.loss_function
     cp_group = loss_function.cp_group if isinstance(loss_function, CausalLMLoss) else None
-    group = getattr(model, BALANCE_GROUP_ATTR, None) or cp_group  # moe_balance="global": dp_shard × cp
+    group = state_of(model).balance_group or cp_group  # moe_balance="global": dp_shard × cp
     text = model.config.get_text_config()
     if group is None:
         return hf_moe.load_balancing_loss_func(router_logits, text.num_experts, text.num_experts_per_tok, attention_mask)
@@ -190,6 +187,6 @@ def install_tiled_loss(model: nn.Module, *, tile: int | None = None, mode: str =
         return False
     if model.__class__ not in _TILED_CLASSES.values():
         model.__class__ = _tiled_class(model.__class__)
-    setattr(model, TILED_LOSS_ATTR, mode)
-    setattr(model, TILE_ATTR, tile)
+    state = own_state(model)
+    state.tiled_loss, state.tile = mode, tile
     return True

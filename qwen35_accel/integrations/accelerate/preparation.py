@@ -350,8 +350,8 @@ def prepare_cp(original: Callable[..., Any]) -> Callable[..., Any]:
             if not self.is_fsdp2:
                 raise ValueError("context parallelism for Qwen3.5 needs FSDP2 (fsdp_version: 2 in the config)")
             # The CP layers are installed by PARALLELIZER.apply (mesh dim "cp") during the
-            # FSDP2 preparation that follows; here only the per-step context changes.
-            self._qwen35_cp_mesh = self.torch_device_mesh["cp"]
+            # FSDP2 preparation that follows; the step's context reads their mesh from the model's
+            # state (`targets.accelerator_cp_mesh`).
             return args
         return original(self, *args)
 
@@ -361,9 +361,10 @@ def prepare_cp(original: Callable[..., Any]) -> Callable[..., Any]:
 def note_restored_gates(model: nn.Module) -> None:
     """One line when `install_fp32_gate` took gate values back from the checkpoint (a bf16 load)."""
     from ...model.detect import unwrap_qwen35
-    from ...model.fp32_gate import RESTORED_GATES_ATTR
+    from ...model.state import find_state
 
-    restored = getattr(model, RESTORED_GATES_ATTR, 0)
+    state = find_state(model)
+    restored = state.restored_gates if state is not None else 0
     if restored:
         source = getattr(unwrap_qwen35(model), "name_or_path", None) or "its checkpoint"
         main_process_note(

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...parallel.mesh import mesh_dim_size
 from ..targets import is_dense_qwen35_module
 
 
@@ -33,9 +32,6 @@ def prepare_extra_model(accelerator: Any, model: nn.Module, *, register: bool) -
 
     install_fp32_gate(model)
     model = prepare_qwen35_fsdp2(accelerator, model, frozen=True)
-    mesh = getattr(accelerator, "torch_device_mesh", None)
-    if mesh is not None and mesh_dim_size(mesh, "cp") > 1:  # as `prepare_cp` does for the policy
-        accelerator._qwen35_cp_mesh = mesh["cp"]
     if register and model not in accelerator._models:
         accelerator._models.append(model)
         model._is_accelerate_prepared = True

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..targets import prepared_by_accelerate
+from ..targets import accelerator_cp_mesh, prepared_by_accelerate
 
 
 def maybe_context_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -23,7 +23,7 @@ def maybe_context_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
         buffer_seq_dims: list[int] | None = None,
         no_restore_buffers: set[torch.Tensor] | None = None,
     ) -> Iterator[None]:
-        cp_mesh = getattr(self, "_qwen35_cp_mesh", None)
+        cp_mesh = accelerator_cp_mesh(self)
         if cp_mesh is None:
             with original(self, buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers):
                 yield

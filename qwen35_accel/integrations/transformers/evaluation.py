@@ -118,12 +118,10 @@ def _assemble_logits(model: nn.Module, logits: Any, cp_mesh: Any, local_seq: int
     """Every tensor of `logits` whose dim 1 is the local sequence: gathered over cp and cut to
     `seq`; a vocab-parallel lm_head's `[…, vocab / tp]` slice: gathered over tp."""
     from ...context_parallel import gather_sequence
-    from ...parallel.tensor_parallel import (
-        VOCAB_GROUP_ATTR,
-        gather_vocab_parallel_logits,
-    )
+    from ...model.state import state_of
+    from ...parallel.tensor_parallel import gather_vocab_parallel_logits
 
-    vocab_parallel = getattr(model, VOCAB_GROUP_ATTR, None) is not None
+    vocab_parallel = state_of(model).vocab_group is not None
     local_vocab = model.get_output_embeddings().weight.shape[0] if vocab_parallel else None  # type: ignore[union-attr]
 
     def assemble(tensor: Any) -> Any:
@@ -148,12 +146,12 @@ def prediction_step(original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(
         self: Any, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
     ) -> tuple[Any, Any, Any]:
+        from ...model.state import state_of
         from ...parallel.context_parallel.model import context_parallel_mesh
-        from ...parallel.tensor_parallel import VOCAB_GROUP_ATTR
 
         qwen = prepared_qwen35(model)
         cp_mesh = context_parallel_mesh(qwen) if qwen is not None else None
-        if qwen is None or (cp_mesh is None and getattr(qwen, VOCAB_GROUP_ATTR, None) is None):
+        if qwen is None or (cp_mesh is None and state_of(qwen).vocab_group is None):
             return original(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         seq = local_seq = None
         if cp_mesh is not None and isinstance(inputs, Mapping) and inputs.get("input_ids") is not None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..targets import prepared_by_accelerate
+from ..targets import accelerator_cp_mesh, prepared_by_accelerate
 from ..trl.trainers import (
     TRL_LOGPROB_TRAINERS,
     TRL_SAMPLING_TRAINERS,
@@ -36,7 +36,7 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
     @functools.wraps(original)
     def wrapper(self: Any, model: Any, inputs: dict[str, Any]) -> Any:
         accelerator = getattr(self, "accelerator", None)
-        cp_mesh = getattr(accelerator, "_qwen35_cp_mesh", None)
+        cp_mesh = accelerator_cp_mesh(accelerator)
         whole_rows = False
         if cp_mesh is not None and (trainer := trl_trainer(self, TRL_LOGPROB_TRAINERS)) is not None:
             from ..trl.whole_rows import whole_rows_supported
@@ -117,7 +117,7 @@ def _refuse_logits_consumers_of_vocab_slices(trainer: Any, accelerator: Any) -> 
     """NotImplementedError (every rank, each step) when the Trainer would compute its loss from
     `outputs.logits` of a model whose lm_head is vocab-parallel: those logits are this rank's
     vocab slice, so label smoothing or a `compute_loss_func` would see a part of the vocabulary."""
-    from ...parallel.losses import VOCAB_GROUP_ATTR
+    from ...model.state import state_of
 
     users = [
         what
@@ -132,7 +132,7 @@ def _refuse_logits_consumers_of_vocab_slices(trainer: Any, accelerator: Any) -> 
     from ...model.detect import unwrap_qwen35
 
     for model in getattr(accelerator, "_models", []):
-        if prepared_by_accelerate(model) and getattr(unwrap_qwen35(model), VOCAB_GROUP_ATTR, None):
+        if prepared_by_accelerate(model) and state_of(unwrap_qwen35(model)).vocab_group is not None:
             raise NotImplementedError(
                 f"{' and '.join(users)} computes the loss from the model's logits, which with "
                 "QWEN35_ACCEL_VOCAB_PARALLEL_LM_HEAD=1 hold this rank's slice of the vocabulary (a wrong loss). "

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...parallel.losses import IGNORE_INDEX, VOCAB_GROUP_ATTR
+from ...model.state import state_of
+from ...parallel.losses import IGNORE_INDEX
 from ...parallel.tiled_head import linear_token_stats, lm_head_weights
 
 FUSED_HEAD_ATTR = "_qwen35_accel_fused_head"  # marks the forward this module installed
@@ -111,7 +112,7 @@ def _vocab_parallel_fused_forward(
             weight,
             bias,
             labels[mask],
-            group=getattr(model, VOCAB_GROUP_ATTR),
+            group=state_of(model).vocab_group,
             temperature=temperature,
             outputs=tuple(name for name in outputs if name != "log_probs"),
         )
@@ -165,7 +166,7 @@ def trl_add_fused_lm_head(original: Callable[..., Any]) -> Callable[..., Any]:
                     trl_forward, self, group, args, kwargs,
                     labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
                 )
-            elif fused_lm_head and getattr(self, VOCAB_GROUP_ATTR, None) is not None:
+            elif fused_lm_head and state_of(self).vocab_group is not None:
                 output = _vocab_parallel_fused_forward(
                     self, args, kwargs, labels, shift_labels, num_items_in_batch,
                     temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=tuple(outputs),
@@ -194,11 +195,10 @@ def _router_balance_group(model: nn.Module) -> Any:
     """The group a prepared Qwen3.5-MoE's router loss counts tokens over, beyond this rank's: dp_shard
     × cp with `moe_balance="global"`, else the cp group under cp > 1; None: this rank's tokens (TRL's
     own computation is then exact)."""
-    from ...parallel.expert_parallel.router import BALANCE_GROUP_ATTR
     from ..targets import prepared_qwen35
 
     qwen = prepared_qwen35(model)
-    global_group = getattr(qwen, BALANCE_GROUP_ATTR, None) if qwen is not None else None
+    global_group = state_of(qwen).balance_group
     return global_group if global_group is not None else _cp_group_of(model)
 
 

@@ -26,6 +26,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 from ...model.detect import FAMILIES, Qwen35Parts, head_backbone, qwen35_parts
 from ...model.fp32_gate import GATED_DELTA_NET_CLASSES, Fp32GateGatedDeltaNet
 from ...model.hub_kernels import swap_class
+from ...model.state import own_state, state_of
 from ...model.packing import (
     SEQUENCE_SHARDED_ATTR,
     document_layout,
@@ -34,7 +35,7 @@ from ...model.packing import (
 )
 from ...ops.causal_conv import fla_conv_kernel, select_conv_kernel
 from ..collectives import all_gather_flat
-from ..losses import VOCAB_GROUP_ATTR, CausalLMLoss
+from ..losses import CausalLMLoss
 from .attention import (
     SUPPORTED_ATTENTION,
     ContextParallelAttention,
@@ -52,8 +53,6 @@ from .chunks import chunk_owner, unshard_sequence
 from .state_exchange import EXCHANGES
 from .vision_split import install_context_parallel_vision
 
-CP_MESH_ATTR = "_qwen35_cp_mesh"
-CP_PAUSED_ATTR = "_qwen35_cp_paused"  # set by `context_parallel_paused` for its duration
 
 
 _VISION_INPUTS = ("pixel_values", "pixel_values_videos")
@@ -131,7 +130,7 @@ def _sharded_documents(
 def _check_inputs(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    if module.__dict__.get(CP_PAUSED_ATTR):
+    if state_of(module).cp_paused:
         return None
     for key in ("cache", "past_key_values"):
         if kwargs.get(key) is not None:
@@ -163,7 +162,7 @@ def _check_inputs(
     attention_mask = kwargs.get("attention_mask")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError("under context parallelism attention_mask must be a 2-D padding mask [batch, seq]")
-    group = getattr(module, CP_MESH_ATTR).get_group()
+    group = state_of(module).cp_mesh.get_group()
     if attention_mask is not None and _padding_violation(attention_mask, group):
         raise ValueError(
             "context parallelism supports right padding only; this attention_mask has a padded token before a real "
@@ -272,11 +271,12 @@ def install_context_parallel(
             module._cp_group = group
             converted += 1
     if not install_context_parallel_head(model, group):  # a classification head: its own CP forward and loss
-        model.loss_function = CausalLMLoss(cp_group=group, vocab_group=getattr(model, VOCAB_GROUP_ATTR, None))
+        model.loss_function = CausalLMLoss(cp_group=group, vocab_group=state_of(model).vocab_group)
     model.register_forward_pre_hook(_check_inputs, with_kwargs=True)
     if parts.vision_model is not None:  # images and videos: the tower's work split over the cp ranks
         install_context_parallel_vision(model, group)
-    setattr(model, CP_MESH_ATTR, cp_mesh)
+    state = own_state(model)
+    state.cp_mesh, state.cp_text_model = cp_mesh, parts.text_model
     # The text decoder sees this rank's chunks, not packed rows: its packing hook stands aside.
     parts.text_model.__dict__[SEQUENCE_SHARDED_ATTR] = True
     return converted
@@ -284,9 +284,8 @@ def install_context_parallel(
 
 def context_parallel_mesh(model: nn.Module) -> DeviceMesh | None:
     """The cp mesh `install_context_parallel` put on `model`, or None (also while paused)."""
-    if getattr(model, CP_PAUSED_ATTR, False):
-        return None
-    return getattr(model, CP_MESH_ATTR, None)
+    state = state_of(model)
+    return None if state.cp_paused else state.cp_mesh
 
 
 @contextlib.contextmanager
@@ -300,21 +299,21 @@ def context_parallel_paused(model: nn.Module) -> Iterator[bool]:
     `model`: the model `install_context_parallel` was given or one holding it (a PEFT or
     Accelerate wrapper). Yields whether anything was paused (False without CP). Not reentrant
     across threads; nested use is a no-op."""
-    holders = [m for m in model.modules() if CP_MESH_ATTR in m.__dict__ and not m.__dict__.get(CP_PAUSED_ATTR)]
+    found = {id(s): s for m in model.modules() if (s := state_of(m)).cp_mesh is not None}
+    holders = [state for state in found.values() if not state.cp_paused]
     if not holders:
         yield False
         return
     layers = [m for m in model.modules() if "_cp_group" in m.__dict__]
     groups = [m.__dict__.pop("_cp_group") for m in layers]  # the class default: None, the stock layer
-    texts = [qwen35_parts(holder, families=FAMILIES).text_model for holder in holders]
-    for holder, text in zip(holders, texts):
-        holder.__dict__[CP_PAUSED_ATTR] = True
-        text.__dict__[SEQUENCE_SHARDED_ATTR] = False
+    for holder in holders:
+        holder.cp_paused = True
+        holder.cp_text_model.__dict__[SEQUENCE_SHARDED_ATTR] = False
     try:
         yield True
     finally:
         for layer, group in zip(layers, groups):
             layer._cp_group = group
-        for holder, text in zip(holders, texts):
-            del holder.__dict__[CP_PAUSED_ATTR]
-            text.__dict__[SEQUENCE_SHARDED_ATTR] = True
+        for holder in holders:
+            holder.cp_paused = False
+            holder.cp_text_model.__dict__[SEQUENCE_SHARDED_ATTR] = True

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...model.state import own_state
+
 
 EXPERT_WEIGHTS: tuple[str, ...] = ("gate_up_proj", "down_proj")  # the routed experts' 3-D weights
 
@@ -23,7 +25,6 @@ EXPERT_WEIGHTS: tuple[str, ...] = ("gate_up_proj", "down_proj")  # the routed ex
 # (Transformers' meaning; whole rows under cp), "global" — every data-parallel rank's (the
 # global batch, Qwen's recipe): its sums all-reduced over dp_shard × cp.
 BALANCE_CHOICES: tuple[str, ...] = ("rank", "global")
-BALANCE_GROUP_ATTR = "_qwen35_moe_balance_group"  # on the model: the group "global" reduces over
 
 
 def router_loss_coefficient(model: torch.nn.Module) -> float:
@@ -61,7 +62,7 @@ def check_global_balance(*, dp_replicate: int) -> None:
 def install_global_balance(model: torch.nn.Module, fsdp_mesh: Any) -> None:
     """Make `model`'s router loss count the tokens of every rank of `fsdp_mesh` (dp_shard × cp,
     1-D: `check_global_balance` first)."""
-    setattr(model, BALANCE_GROUP_ATTR, fsdp_mesh.get_group())
+    own_state(model).balance_group = fsdp_mesh.get_group()
 
 
 def router_balance_loss(

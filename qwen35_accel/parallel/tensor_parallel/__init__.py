@@ -27,7 +27,7 @@ full-state loading), `clipping` (`clip_grad_norm_`). The vocab-parallel loss liv
 `reduce_from_group`) in `qwen35_accel.parallel.collectives`.
 """
 
-from ..losses import IGNORE_INDEX, VOCAB_GROUP_ATTR, VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
+from ..losses import IGNORE_INDEX, VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
 from .clipping import clip_grad_norm_
 from .splits import TP_GROUP_ATTR, Slicer, tensor_parallel_group, tensor_parallel_numel_elsewhere, tensor_parallel_sliced
 from .plan import (
@@ -50,7 +50,6 @@ from .state_dict import (
 __all__ = [
     "IGNORE_INDEX",
     "TP_GROUP_ATTR",
-    "VOCAB_GROUP_ATTR",
     "Slicer",
     "TensorParallelRMSNorm",
     "TensorParallelRMSNormGated",

@@ -29,7 +29,8 @@ from ...model.hub_kernels import swap_class
 from ..collectives import copy_to_group, reduce_from_group
 from ..expert_parallel.experts import dispatch_experts
 from ..expert_parallel.over_tensor_parallel import hold_experts_over_tensor_parallel
-from ..losses import VOCAB_GROUP_ATTR, VocabParallelCausalLMLoss
+from ...model.state import own_state, state_of
+from ..losses import VocabParallelCausalLMLoss
 from .splits import _COLS, LAYOUTS_ATTR, TP_GROUP_ATTR, _rows, _Sliced
 from .state_dict import _gather_hook, _slice_hook
 
@@ -344,7 +345,7 @@ def apply_vocab_parallel_lm_head(model: nn.Module, tp_mesh: DeviceMesh, *, parts
     _split_module(lm_head, {name: _rows(p.shape[0]) for name, p in lm_head.named_parameters(recurse=False)}, tp_mesh)
     lm_head.register_forward_pre_hook(_input_hook(group), with_kwargs=True)
     model.register_forward_pre_hook(_refuse_generation, with_kwargs=True)
-    setattr(model, VOCAB_GROUP_ATTR, group)
+    own_state(model).vocab_group = group
     model.loss_function = VocabParallelCausalLMLoss(group)
 
 
@@ -364,7 +365,7 @@ def _refuse_generation(module: nn.Module, args: tuple[Any, ...], kwargs: dict[st
 def gather_vocab_parallel_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """The full-vocab logits from this rank's slice (collective over tp; no autograd).
     Returns `logits` unchanged if the model's lm_head is not vocab-parallel."""
-    group = getattr(model, VOCAB_GROUP_ATTR, None)
+    group = state_of(model).vocab_group
     if group is None:
         return logits
     parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]

@@ -13,7 +13,7 @@ def env() -> dict[str, Any]:
 
     from . import __version__
     from ._versions import SUPPORTED, is_supported
-    from .integrations.settings import PluginSettings, settings_table
+    from .settings import PluginSettings, settings_table
     from .model_changes import model_changes_table
 
     versions = {}

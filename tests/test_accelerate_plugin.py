@@ -22,7 +22,7 @@ from _parity import AdamWeightTolerance, assert_close, assert_grads_match, asser
 
 
 def test_settings_defaults_env_and_errors():
-    from qwen35_accel.integrations.settings import PluginSettings
+    from qwen35_accel.settings import PluginSettings
 
     assert PluginSettings.from_env({}) == PluginSettings()
     s = PluginSettings.from_env({"QWEN35_ACCEL": "0", "QWEN35_ACCEL_FSDP2_BACKWARD_PREFETCH_DEPTH": "3"})
@@ -66,7 +66,7 @@ def test_every_variable_the_package_names_is_a_declared_setting():
     from pathlib import Path
 
     import qwen35_accel
-    from qwen35_accel.integrations.settings import PluginSettings
+    from qwen35_accel.settings import PluginSettings
 
     declared = {PluginSettings.env_name(field.name) for field in dataclasses.fields(PluginSettings)}
     named = {
@@ -78,7 +78,7 @@ def test_every_variable_the_package_names_is_a_declared_setting():
 
 
 def test_tiled_loss_setting_takes_its_modes_and_its_former_boolean_spellings():
-    from qwen35_accel.integrations.settings import PluginSettings
+    from qwen35_accel.settings import PluginSettings
 
     from qwen35_accel.parallel.tiled_head import DEFAULT_LOSS_MODE
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen35_accel.integrations.settings import settings_table
+from qwen35_accel.settings import settings_table
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -142,3 +142,30 @@ def test_ci_runs_the_readme_test_command():
     readme = [line.split("#")[0].strip() for line in setup.splitlines() if line.startswith("python3 -m pytest")]
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python3 -m pytest")]
     assert readme and readme == ci
+
+
+def test_each_knob_is_declared_once_and_the_options_table_gives_every_declared_default():
+    """The parallelizer's knobs are declared once, in `ParallelOptions` (default and help); the plugin's
+    settings take both from there; docs/custom_loops.md's table of `PARALLELIZER.apply`'s options gives
+    every field with its declared default."""
+    import dataclasses
+
+    from qwen35_accel.parallel.options import ParallelOptions
+    from qwen35_accel.settings import PluginSettings
+
+    settings = PluginSettings.__dataclass_fields__
+    knobs = [f for f in dataclasses.fields(ParallelOptions) if "help" in f.metadata]
+    assert len(knobs) >= 10
+    for field in knobs:
+        setting = settings[field.metadata["setting"] or field.name]
+        assert setting.default == field.default and setting.metadata["help"] is field.metadata["help"], field.name
+    text = (ROOT / "docs" / "custom_loops.md").read_text()
+    table = text[text.index("| option | default | meaning |"):]
+    table = table[: table.index("\n\n")]
+    documented = {}
+    for names, defaults in re.findall(r"^\| (`[^|]+`) \| ([^|]+) \|", table, flags=re.MULTILINE):
+        for name, default in zip(re.findall(r"`(\w+)`", names), re.findall(r"`([^`]+)`", defaults)):
+            documented[name] = default
+    for field in dataclasses.fields(ParallelOptions):
+        assert field.name in documented, f"docs/custom_loops.md lacks the option {field.name}"
+        assert documented[field.name] == repr(field.default).replace("'", '"'), (field.name, documented[field.name])

@@ -17,7 +17,7 @@ from _parity import assert_close, assert_grads_match
 
 
 def test_an_unknown_setting_warns_once_and_raises_only_where_a_qwen35_model_is_prepared():
-    from qwen35_accel.integrations import settings
+    from qwen35_accel import settings
 
     environ = {"QWEN35_ACCEL_FOO_UNKNOWN_ONCE": "1", "QWEN35_ACCEL_FSDP2_FORWARD_PREFETCH_DEPTH": "2"}
     with warnings.catch_warnings(record=True) as caught:

@@ -416,7 +416,7 @@ def test_parallel_options_are_one_object_built_by_the_keywords_or_the_settings()
     import dataclasses
 
     from qwen35_accel import PARALLELIZER
-    from qwen35_accel.integrations.settings import PluginSettings
+    from qwen35_accel.settings import PluginSettings
     from qwen35_accel.parallel.options import ParallelOptions
     from qwen35_accel.testing.tiny import build_tiny_moe_causal_lm
 

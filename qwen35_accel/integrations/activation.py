@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .notices import warn_once
-from .settings import PluginSettings
+from ..settings import PluginSettings
 
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
 

@@ -10,7 +10,7 @@ gloo (for every model) instead of silently training N independent copies.
 The package is laid out by upstream: `accelerate/`, `transformers/` and `trl/` each hold their
 wrappers and declare their patch points as data (`*_points.py`); `patches` registers the three;
 `activation` installs, uninstalls and reports over the registered points (it imports no
-wrapper); `targets`, `notices`, `settings`, `prepared_line` and `parallelism_layouts` serve all
+wrapper); `targets`, `notices`, `prepared_line` and `parallelism_layouts` serve all
 three (docs/layout.md lists every module). Activation at interpreter start lives in
 `qwen35_accel_autoload` (a torch entry point).
 """

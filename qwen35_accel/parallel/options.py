@@ -25,14 +25,19 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r}; expected one of {choices}")
 
 
-# Fields whose plugin setting has another name (the rest share theirs: `ep`, `tiled_loss`, …).
-_SETTING_NAMES = {"enable_fsdp2_prefetch": "fsdp2_prefetch"}
+def _knob(default: Any, *help: str, setting: str | None = None) -> Any:
+    """A field that is also a `QWEN35_ACCEL_*` knob: its default and help (joined) declared here once
+    (`settings.PluginSettings` takes both from here); `setting`: the knob's name where it is not the field's."""
+    return dataclasses.field(default=default, metadata={"help": "".join(help), "setting": setting})
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelOptions:
     """How `PARALLELIZER.apply` parallelizes a Qwen3.5 model. `checked()` validates the choices and
-    normalises `tiled_loss` (True / False are "recompute" / "off"). The fields:
+    normalises `tiled_loss` (True / False are "recompute" / "off"). The fields that are also
+    `QWEN35_ACCEL_*` knobs declare their default and one-line help once, here (`_knob`; the plugin's
+    `settings.PluginSettings` takes both from these declarations, their choices from the code that acts
+    on them). The fields:
 
     - `mp_policy`, `offload_policy`, `reshard_after_forward`: FSDP2's, for the layers' units (the fp32
       gate holders compute in fp32 whatever `mp_policy` says).
@@ -70,19 +75,56 @@ class ParallelOptions:
     activation_checkpointing: bool = False
     activation_offload: bool = False
     reshard_after_forward: bool | int | None = None
-    enable_fsdp2_prefetch: bool = True
-    fsdp2_backward_prefetch_depth: int = 2
-    fsdp2_forward_prefetch_depth: int = 1
-    frozen_multimodal_sharding: FrozenMultimodalSharding = "root"
+    enable_fsdp2_prefetch: bool = _knob(
+        True,
+        "explicit forward/backward prefetch of the units in layer order, embedding to tail",
+        setting="fsdp2_prefetch",
+    )
+    fsdp2_backward_prefetch_depth: int = _knob(2, "layers prefetched ahead in backward")
+    fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
+    frozen_multimodal_sharding: FrozenMultimodalSharding = _knob(
+        "root",
+        "a frozen vision tower: root (in the root unit), replicate or shard",
+    )
     dp_replicate_mesh_name: str = "dp_replicate"
     cp_mesh_name: str = "cp"
     tp_mesh_name: str = "tp"
-    fp32_holder_units: Fp32HolderUnits = "per_layer"
-    vocab_parallel_lm_head: bool = False
-    cp_state_exchange: str = "auto"
-    tiled_loss: bool | str = "recompute"
-    moe_balance: str = "rank"
-    ep: int = 1
+    fp32_holder_units: Fp32HolderUnits = _knob(
+        "per_layer",
+        "per_layer: each GatedDeltaNet's fp32 gate holder is an FSDP2 unit of its own; model: one fp32 unit "
+        "holds all of them (2 collectives per step instead of 2 per GatedDeltaNet layer)",
+    )
+    vocab_parallel_lm_head: bool = _knob(
+        False,
+        "under tp > 1, split the lm_head by vocab too; the loss combines the slices (model outputs then hold "
+        "this rank's vocab slice of the logits; needs untied embeddings)",
+    )
+    cp_state_exchange: str = _knob(
+        "auto",
+        "under cp > 1, how GatedDeltaNet chunk summaries cross the ranks: allgather (one all-gather, O(cp) "
+        "bytes), scan (log-depth, O(log cp) bytes and kept summaries) or auto (by cp size and backend)",
+    )
+    tiled_loss: bool | str = _knob(
+        "recompute",
+        "training forwards with labels compute the lm_head and the loss in blocks of tokens and vocab rows, "
+        "never holding [tokens, vocab] (the returned logits are then None): recompute (or 1) keeps the "
+        "hidden states and one number per token and recomputes the blocks' logits in backward; hold computes "
+        "the gradients in forward (the same GEMMs) and holds them until backward, one of the lm_head "
+        "weight's size; off (or 0): Transformers' loss from the whole logits",
+    )
+    moe_balance: str = _knob(
+        "rank",
+        "Qwen3.5-MoE's router load-balancing loss (output_router_logits): rank counts each data-parallel "
+        "rank's tokens (Transformers' meaning; whole rows under cp); global counts the global batch (its "
+        "sums all-reduced over dp_shard x cp in the tiled training loss, Qwen's recipe; not with HSDP)",
+    )
+    ep: int = _knob(
+        1,
+        "Qwen3.5-MoE: expert parallelism, each of ep ranks holding num_experts/ep whole experts per layer, "
+        "tokens sent to their experts' ranks and back by all-to-all; the ep groups are consecutive ranks of "
+        "dp_shard x cp (ep must divide it and the experts), the ranks holding the same experts shard them "
+        "with FSDP2; 1: off",
+    )
 
     def checked(self) -> ParallelOptions:
         """These options, validated (ValueError naming the field and its choices), `tiled_loss` normalised."""
@@ -101,8 +143,8 @@ class ParallelOptions:
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> ParallelOptions:
         """The options the plugin's `QWEN35_ACCEL_*` settings (`PluginSettings`) choose (every field
-        a setting of the same name, or `_SETTING_NAMES`' name, has), with `overrides` (what
-        Accelerate's config decides: policies, checkpointing, resharding)."""
-        names = {field.name: _SETTING_NAMES.get(field.name, field.name) for field in dataclasses.fields(cls)}
-        chosen = {field: getattr(settings, name) for field, name in names.items() if hasattr(settings, name)}
+        declared a knob, `_knob`: the setting of its name, or of its declared `setting` name), with
+        `overrides` (what the engine's config decides: policies, checkpointing, resharding)."""
+        names = {f.name: f.metadata["setting"] or f.name for f in dataclasses.fields(cls) if "help" in f.metadata}
+        chosen = {field: getattr(settings, name) for field, name in names.items()}
         return cls(**{**chosen, **overrides})

@@ -9,6 +9,7 @@ shared by the model as passed and the Qwen3.5 model inside it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,6 +42,8 @@ class Preparation:
     # Who prepared it: "apply" (a custom loop), "accelerate" (the plugin's Accelerate preparation) or
     # "distributed_config" (Transformers' sharding at load, taken over).
     source: str = "apply"
+    # The `settings.PluginSettings` the preparing integration read, once (None: a custom loop's `apply`).
+    settings: Any = None
 
     @property
     def global_balance(self) -> bool:

@@ -119,7 +119,7 @@ def plan(
     per rank's micro-batch. `reference_model`: a frozen copy prepared as the policy is (TRL's
     `ref_model`), counted once more in the checkpoint's dtype, without gradients, optimizer state or
     activations (`reference_model` in the result, `memory_per_rank["reference_parameters"]`)."""
-    from ..integrations.settings import PluginSettings
+    from ..settings import PluginSettings
     from ..parallel.fsdp import describe_prefetch
     from .comm import cp_comm
     from .units import fake_world, meta_model, parallelize

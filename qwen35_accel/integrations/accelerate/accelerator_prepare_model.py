@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from ..notices import main_process_note
-from ..settings import PluginSettings
+from ...settings import PluginSettings
 from .preparation import note_restored_gates, refuse_expert_parallelism
 from ..targets import is_qwen35_module
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..notices import main_process_note
-from ..settings import PluginSettings
+from ...settings import PluginSettings
 
 
 def no_accelerator() -> bool:

@@ -22,7 +22,7 @@ from torch import nn
 from .compilation import compile_prepared, take_over_compile
 from ..notices import main_process_note
 from ..prepared_line import experts_note, hub_kernels_note, loss_in_effect, mixed_precision_note
-from ..settings import PluginSettings, check_same_on_every_rank
+from ...settings import PluginSettings, check_same_on_every_rank
 from ..targets import is_plugin_fsdp2_module, prepared_by_accelerate, the_model
 
 if TYPE_CHECKING:
@@ -179,7 +179,8 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         check_one_gradient_mesh(model)
     from ...parallel.prepared import prepared_state
 
-    prepared_state(model).source = "accelerate"  # the step hooks, evaluation and checkpoints act on it
+    state = prepared_state(model)
+    state.source, state.settings = "accelerate", settings  # the step hooks, evaluation and checkpoints act on it
     cp = mesh_dim_size(mesh, "cp")
     compiled = compile_prepared(parts, compile_kwargs, context_parallel=cp > 1, compiled_whole=hasattr(model, "_orig_mod"))
     main_process_note(

@@ -30,7 +30,7 @@ from typing import Any
 from torch import nn
 
 from ..notices import main_process_note
-from ..settings import PluginSettings
+from ...settings import PluginSettings
 from ..targets import is_qwen35_module
 
 _PLUGIN_WAYS = (
@@ -123,7 +123,7 @@ def shard_with_the_plugin(model: nn.Module, distributed_config: Any, mesh_manage
     from ...model.fp32_gate import rounded_gate_dtypes
     from ...parallel.options import ParallelOptions
     from ...parallelization import PARALLELIZER
-    from ..settings import check_same_on_every_rank
+    from ...settings import check_same_on_every_rank
 
     settings = PluginSettings.from_env(strict=True)
     check_same_on_every_rank(settings)
@@ -141,7 +141,8 @@ def shard_with_the_plugin(model: nn.Module, distributed_config: Any, mesh_manage
     from ...parallel.prepared import prepared_state
     from ..prepared_line import loss_in_effect
 
-    prepared_state(model).source = "distributed_config"
+    state = prepared_state(model)
+    state.source, state.settings = "distributed_config", settings
 
     loaded = (f" (the checkpoint's values load into them in fp32, the rest in {', '.join(rounded)})" if rounded else "")
     main_process_note(

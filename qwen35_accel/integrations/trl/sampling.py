@@ -232,7 +232,7 @@ def _cache_bytes(trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 
 def _per_row_sampling(trainer: Any) -> bool:
-    from ..settings import PluginSettings
+    from ...settings import PluginSettings
     from ..targets import is_dense_qwen35_module
 
     model = getattr(trainer, "model", None)

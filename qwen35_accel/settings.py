@@ -20,6 +20,15 @@ def _knob(default: object, help: str) -> dataclasses.Field:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def _option(name: str) -> dataclasses.Field:
+    """The knob of `ParallelOptions.name`: its default and help as `ParallelOptions` declares them
+    (declared once, there; `ParallelOptions.from_settings` reads it back by the declared setting name)."""
+    from .parallel.options import ParallelOptions
+
+    field = ParallelOptions.__dataclass_fields__[name]
+    return dataclasses.field(default=field.default, metadata={"help": field.metadata["help"]})
+
+
 _BOOLEAN = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -36,30 +45,11 @@ class PluginSettings:
         "run an FSDP config on a machine without accelerators as FSDP2 over gloo (stock Accelerate silently "
         "runs N independent single-process trainings there)",
     )
-    frozen_multimodal_sharding: str = _knob("root", "a frozen vision tower: root (in the root unit), replicate or shard")
-    fp32_holder_units: str = _knob(
-        "per_layer",
-        "per_layer: each GatedDeltaNet's fp32 gate holder is an FSDP2 unit of its own; model: one fp32 unit holds "
-        "all of them (2 collectives per step instead of 2 per GatedDeltaNet layer)",
-    )
-    vocab_parallel_lm_head: bool = _knob(
-        False,
-        "under tp > 1, split the lm_head by vocab too; the loss combines the slices (model outputs then hold this "
-        "rank's vocab slice of the logits; needs untied embeddings)",
-    )
-    tiled_loss: str = _knob(
-        "recompute",
-        "training forwards with labels compute the lm_head and the loss in blocks of tokens and vocab rows, never "
-        "holding [tokens, vocab] (the returned logits are then None): recompute (or 1) keeps the hidden states and "
-        "one number per token and recomputes the blocks' logits in backward; hold computes the gradients in "
-        "forward (the same GEMMs) and holds them until backward, one of the lm_head weight's size; off (or 0): "
-        "Transformers' loss from the whole logits",
-    )
-    cp_state_exchange: str = _knob(
-        "auto",
-        "under cp > 1, how GatedDeltaNet chunk summaries cross the ranks: allgather (one all-gather, O(cp) bytes), "
-        "scan (log-depth, O(log cp) bytes and kept summaries) or auto (by cp size and backend)",
-    )
+    frozen_multimodal_sharding: str = _option("frozen_multimodal_sharding")
+    fp32_holder_units: str = _option("fp32_holder_units")
+    vocab_parallel_lm_head: bool = _option("vocab_parallel_lm_head")
+    tiled_loss: str = _option("tiled_loss")
+    cp_state_exchange: str = _option("cp_state_exchange")
     cp_metrics_per_chunk: bool = _knob(
         False,
         "under cp > 1, run the Trainer's preprocess_logits_for_metrics on each rank's sequence chunks and gather its "
@@ -73,18 +63,8 @@ class PluginSettings:
         "included; under cp > 1 each cp rank generates 1/cp of its group's rows, gathered after; other completions "
         "than replicated's, the same with and without cp)",
     )
-    moe_balance: str = _knob(
-        "rank",
-        "Qwen3.5-MoE's router load-balancing loss (output_router_logits): rank counts each data-parallel rank's "
-        "tokens (Transformers' meaning; whole rows under cp); global counts the global batch (its sums all-reduced "
-        "over dp_shard x cp in the tiled training loss, Qwen's recipe; not with HSDP)",
-    )
-    ep: int = _knob(
-        1,
-        "Qwen3.5-MoE: expert parallelism, each of ep ranks holding num_experts/ep whole experts per layer, tokens "
-        "sent to their experts' ranks and back by all-to-all; the ep groups are consecutive ranks of dp_shard x cp "
-        "(ep must divide it and the experts), the ranks holding the same experts shard them with FSDP2; 1: off",
-    )
+    moe_balance: str = _option("moe_balance")
+    ep: int = _option("ep")
     fp32_gates: bool = _knob(
         True,
         "without FSDP (one process, DDP): hold each GatedDeltaNet's A_log/dt_bias in an fp32 holder at prepare, "
@@ -99,9 +79,9 @@ class PluginSettings:
         "bf16-rounded (a bf16 load or fsdp_mixed_precision under FSDP), naming the ways that train them in fp32, and "
         "leaves the rest to Transformers; stock leaves every load to Transformers",
     )
-    fsdp2_prefetch: bool = _knob(True, "explicit forward/backward prefetch of the units in layer order, embedding to tail")
-    fsdp2_forward_prefetch_depth: int = _knob(1, "layers prefetched ahead in forward")
-    fsdp2_backward_prefetch_depth: int = _knob(2, "layers prefetched ahead in backward")
+    fsdp2_prefetch: bool = _option("enable_fsdp2_prefetch")
+    fsdp2_forward_prefetch_depth: int = _option("fsdp2_forward_prefetch_depth")
+    fsdp2_backward_prefetch_depth: int = _option("fsdp2_backward_prefetch_depth")
     exit_barrier_timeout: int = _knob(
         60,
         "seconds a CPU (gloo) rank that finished normally waits at exit for its peers before leaving without "
@@ -195,10 +175,10 @@ _PLUGIN_CHOICES = {
 @functools.cache
 def _choices() -> dict[str, tuple[str, ...]]:
     """Every choice knob's choices: the plugin's own, and the parallelizer's from their declarations."""
-    from ..parallel.context_parallel.state_exchange import EXCHANGES
-    from ..parallel.expert_parallel.router import BALANCE_CHOICES
-    from ..parallel.options import FP32_HOLDER_UNITS_CHOICES, FROZEN_MULTIMODAL_SHARDING_CHOICES
-    from ..parallel.tiled_loss import TILED_LOSS_CHOICES
+    from .parallel.context_parallel.state_exchange import EXCHANGES
+    from .parallel.expert_parallel.router import BALANCE_CHOICES
+    from .parallel.options import FP32_HOLDER_UNITS_CHOICES, FROZEN_MULTIMODAL_SHARDING_CHOICES
+    from .parallel.tiled_loss import TILED_LOSS_CHOICES
 
     return {
         "frozen_multimodal_sharding": FROZEN_MULTIMODAL_SHARDING_CHOICES,

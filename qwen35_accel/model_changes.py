@@ -32,6 +32,9 @@ class ModelChange:
 
 
 MODEL_CHANGES: tuple[ModelChange, ...] = (
+    ModelChange(REBIND, "integrations.deepspeed.gates", "each GatedDeltaNet under DeepSpeed ZeRO",
+                "its fp32 holder moved from a submodule to a plain attribute of the same name: outside DeepSpeed's "
+                "cast, partitioning and optimizer (its forward and state-dict hooks find it there)"),
     ModelChange(CLASS_SWAP, "model.fp32_gate", "each GatedDeltaNet (every family)",
                 "its gate computed from the fp32 `_fp32_params` holder (`Fp32Gate*GatedDeltaNet`)"),
     ModelChange(STATE_DICT_HOOK, "model.fp32_gate", "each GatedDeltaNet with a holder",

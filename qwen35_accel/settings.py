@@ -42,8 +42,9 @@ class PluginSettings:
     enabled: bool = _knob(True, "0 turns the automatic activation off: stock Accelerate behaviour")
     cpu_fsdp: bool = _knob(
         True,
-        "run an FSDP config on a machine without accelerators as FSDP2 over gloo (stock Accelerate silently "
-        "runs N independent single-process trainings there)",
+        "run an FSDP config on a machine without accelerators as FSDP2 over gloo, a DeepSpeed config as DeepSpeed "
+        "over gloo (stock Accelerate silently runs N independent single-process trainings there, and DeepSpeed's "
+        "batch-size check fails)",
     )
     frozen_multimodal_sharding: str = _option("frozen_multimodal_sharding")
     fp32_holder_units: str = _option("fp32_holder_units")

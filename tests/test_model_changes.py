@@ -16,7 +16,7 @@ SITES = {
     PRE_HOOK: re.compile(r"\.register_forward_pre_hook\("),
     HOOK: re.compile(r"\.register_forward_hook\("),
     STATE_DICT_HOOK: re.compile(r"\.register_(state_dict_post|load_state_dict_pre)_hook\("),
-    REBIND: re.compile(r"= types\.MethodType\(|\.loss_function = "),
+    REBIND: re.compile(r"= types\.MethodType\(|\.loss_function = |__dict__\[HOLDER_NAME\] = "),
 }
 
 

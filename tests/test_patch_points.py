@@ -35,10 +35,12 @@ def test_each_patch_point_lives_with_its_upstream():
     release touches `integrations/trl/` alone."""
     from qwen35_accel.integrations.accelerate.accelerate_points import ACCELERATE_POINTS
     from qwen35_accel.integrations.transformers.trainer_points import TRANSFORMERS_POINTS
+    from qwen35_accel.integrations.deepspeed.deepspeed_points import DEEPSPEED_POINTS
     from qwen35_accel.integrations.trl.trl_points import TRL_POINTS
 
-    assert PATCH_POINTS == (*ACCELERATE_POINTS, *TRANSFORMERS_POINTS, *TRL_POINTS)
-    for folder, points in (("accelerate", ACCELERATE_POINTS), ("transformers", TRANSFORMERS_POINTS), ("trl", TRL_POINTS)):
+    assert PATCH_POINTS == (*ACCELERATE_POINTS, *TRANSFORMERS_POINTS, *TRL_POINTS, *DEEPSPEED_POINTS)
+    for folder, points in (("accelerate", ACCELERATE_POINTS), ("transformers", TRANSFORMERS_POINTS), ("trl", TRL_POINTS),
+                           ("deepspeed", DEEPSPEED_POINTS)):
         assert points and {point.guard.package for point in points} == {folder}, folder
         for point in points:
             home = point.wrap.__module__

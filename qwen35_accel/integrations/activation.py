@@ -54,6 +54,7 @@ class VersionGuard:
 ACCELERATE = VersionGuard("accelerate", ">=1.15,<1.17")
 TRANSFORMERS = VersionGuard("transformers", ">=5.24,<5.26")
 TRL = VersionGuard("trl", ">=1.16,<1.17")
+DEEPSPEED = VersionGuard("deepspeed", ">=0.19.8,<0.20")
 # The tested ranges, as `qwen35-accel env` and the README show them.
 TESTED_ACCELERATE, TESTED_TRANSFORMERS = ACCELERATE.tested, TRANSFORMERS.tested
 

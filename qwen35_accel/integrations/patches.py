@@ -13,9 +13,10 @@ from __future__ import annotations
 from . import activation
 from .accelerate.accelerate_points import ACCELERATE_POINTS
 from .activation import PatchPoint
+from .deepspeed.deepspeed_points import DEEPSPEED_POINTS
 from .transformers.trainer_points import TRANSFORMERS_POINTS
 from .trl.trl_points import TRL_POINTS
 
-PATCH_POINTS: tuple[PatchPoint, ...] = (*ACCELERATE_POINTS, *TRANSFORMERS_POINTS, *TRL_POINTS)
+PATCH_POINTS: tuple[PatchPoint, ...] = (*ACCELERATE_POINTS, *TRANSFORMERS_POINTS, *TRL_POINTS, *DEEPSPEED_POINTS)
 
 activation.register(PATCH_POINTS)

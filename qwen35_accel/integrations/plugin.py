@@ -7,8 +7,8 @@ context-parallel context shards the batch with our layout. Every other model tak
 Accelerate's own path. On machines without accelerators an FSDP config runs FSDP2 over
 gloo (for every model) instead of silently training N independent copies.
 
-The package is laid out by upstream: `accelerate/`, `transformers/` and `trl/` each hold their
-wrappers and declare their patch points as data (`*_points.py`); `patches` registers the three;
+The package is laid out by upstream: `accelerate/`, `transformers/`, `trl/` and `deepspeed/` each hold their
+wrappers and declare their patch points as data (`*_points.py`); `patches` registers them;
 `activation` installs, uninstalls and reports over the registered points (it imports no
 wrapper); `targets`, `notices`, `prepared_line` and `parallelism_layouts` serve all
 three (docs/layout.md lists every module). Activation at interpreter start lives in

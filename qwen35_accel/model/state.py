@@ -40,6 +40,7 @@ class ModelState:
     - `activation_offload`: the `ActivationOffload` of checkpointed layers' saved inputs.
     - `restored_gates`: gate tensors whose fp32 values were read back from the checkpoint.
     - `hub_kernels`: what Transformers' kernelize had replaced when it was turned off (None: never on).
+    - `deepspeed_gates`: the gates kept outside a DeepSpeed engine (`integrations/deepspeed/gates.py`).
     """
 
     preparation: Preparation | None = None
@@ -53,6 +54,7 @@ class ModelState:
     activation_offload: Any = None
     restored_gates: int = 0
     hub_kernels: list[str] | None = None
+    deepspeed_gates: Any = None
 
 
 def own_state(model: nn.Module) -> ModelState:

@@ -31,15 +31,15 @@ def load_yaml(path: str) -> Any:
 
 
 def check_engine(cluster: Any, path: str) -> None:
-    """PlanError for a YAML whose run qwen35_accel does not lay out as FSDP2 units: DeepSpeed (its ZeRO
-    casts the gates to bf16; not prepared yet) and FSDP v1 (refused for Qwen3.5 models at prepare).
-    A plan of FSDP2 units for them would describe a run that does not happen."""
+    """PlanError for a YAML whose run qwen35_accel does not lay out as FSDP2 units: DeepSpeed (ZeRO lays
+    the model out; the plugin keeps the gates in fp32 beside it, not planned) and FSDP v1 (refused for
+    Qwen3.5 models at prepare). A plan of FSDP2 units for them would describe a run that does not happen."""
     distributed = str(getattr(cluster.distributed_type, "value", cluster.distributed_type))
     if distributed == "DEEPSPEED":
         raise PlanError(
-            f"{path} runs DeepSpeed (distributed_type: DEEPSPEED), which qwen35_accel does not prepare yet (ZeRO casts "
-            "A_log/dt_bias to bf16, docs/limits.md); `plan` lays out the FSDP2 runs it prepares: pass an FSDP2 YAML "
-            "(accelerate_configs/fsdp2.yaml)"
+            f"{path} runs DeepSpeed (distributed_type: DEEPSPEED): ZeRO lays the model out and qwen35_accel keeps "
+            "A_log/dt_bias in fp32 beside its engine (docs/deepspeed.md); `plan` has no memory model of ZeRO and lays "
+            "out only the FSDP2 runs qwen35_accel prepares: not planned. Pass an FSDP2 YAML (accelerate_configs/fsdp2.yaml)"
         )
     version = str((cluster.fsdp_config or {}).get("fsdp_version", "1"))
     if distributed == "FSDP" and version != "2":

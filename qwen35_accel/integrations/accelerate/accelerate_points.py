@@ -5,12 +5,21 @@ from __future__ import annotations
 
 from .. import activation
 from ..activation import ACCELERATE, PatchPoint
-from . import accelerator_prepare_model, cpu_backend, fsdp_checkpoints, preparation, several_models, step_context
+from . import (
+    accelerator_prepare_model,
+    cpu_backend,
+    deepspeed_preparation,
+    fsdp_checkpoints,
+    preparation,
+    several_models,
+    step_context,
+)
 
 ACCELERATE_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(
         "accelerate.state", "PartialState._prepare_backend", cpu_backend.prepare_backend, ACCELERATE,
-        "no accelerator, WORLD_SIZE > 1 and an FSDP config: gloo backend, MULTI_CPU (stock: DistributedType.NO)",
+        "no accelerator, WORLD_SIZE > 1 and an FSDP or DeepSpeed config: gloo backend (then MULTI_CPU, or DeepSpeed over "
+        "gloo; stock: DistributedType.NO, one process per rank)",
     ),
     PatchPoint(
         "accelerate.state", "AcceleratorState.__init__", cpu_backend.accelerator_state_init, ACCELERATE,
@@ -66,5 +75,17 @@ ACCELERATE_POINTS: tuple[PatchPoint, ...] = (
         "accelerate.accelerator", "load_fsdp_model", fsdp_checkpoints.load_fsdp_model, ACCELERATE,
         "a Qwen3.5-family model under tp > 1 with FULL_STATE_DICT (Accelerator.load_state): rank 0's file broadcast into the "
         "per-head slices (torch's full-state-dict loading copies full tensors into them)",
+    ),
+    PatchPoint(
+        "accelerate.accelerator", "Accelerator._prepare_deepspeed", deepspeed_preparation.prepare_deepspeed, ACCELERATE,
+        "a Qwen3.5-family model under DeepSpeed ZeRO-1/2/3: fp32 gate holders (the checkpoint's values after a bf16 "
+        "load) kept out of the engine's cast, partitioning and optimizer, trained in fp32 beside it (DeepSpeed's "
+        "points below; zero.Init-partitioned gates gathered first); fp16 and ZeRO stage 0 refused on every rank with the reason "
+        "(stock: the gates are bf16 under bf16, and ZeRO-3 refuses fp32 ones)",
+    ),
+    PatchPoint(
+        "accelerate.accelerator", "Accelerator.get_state_dict", deepspeed_preparation.get_state_dict, ACCELERATE,
+        "such a model: the gates added in fp32 under the Transformers keys (the Trainer's save; ZeRO-3's 16-bit "
+        "state dict lacks them)",
     ),
 )

@@ -37,13 +37,14 @@ def no_accelerator() -> bool:
 
 
 def cpu_fsdp_wanted() -> bool:
-    """An FSDP launch of several processes on a machine without accelerators."""
+    """An FSDP or DeepSpeed launch of several processes on a machine without accelerators."""
     from accelerate.utils import get_int_from_env
 
     world = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
     return (
         PluginSettings.from_env().cpu_fsdp
-        and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        and (os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+             or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true")
         and world > 1
         and no_accelerator()
     )
@@ -98,7 +99,8 @@ _exit_hook_registered = False
 
 
 def prepare_backend(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Patch of `PartialState._prepare_backend`: gloo and MULTI_CPU for a CPU FSDP launch."""
+    """Patch of `PartialState._prepare_backend`: gloo and MULTI_CPU for a CPU FSDP or DeepSpeed launch (Accelerate
+    then initialises DeepSpeed's communication over gloo: its DeepSpeed branch runs where `cpu` is unset)."""
 
     @functools.wraps(original)
     def wrapper(self: Any, cpu: bool = False, sagemaker_dp: bool = False, backend: str | None = None) -> Any:

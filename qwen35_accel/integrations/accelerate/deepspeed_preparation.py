@@ -1,0 +1,125 @@
+"""Accelerate's DeepSpeed preparation for a Qwen3.5-family model: fp32 gate holders installed (the
+checkpoint's fp32 values read back after a bf16 load), kept out of DeepSpeed's engine and trained by
+`integrations/deepspeed/gates.py`; the model's state dict carries them (fp32) for the Trainer's save.
+Refused with the reason where that cannot be exact."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..notices import main_process_note
+from ..targets import is_qwen35_module, the_model
+from .preparation import note_restored_gates
+
+
+def _refusal(config: dict[str, Any], model: nn.Module) -> str | None:
+    """Why this DeepSpeed configuration cannot train the gates exactly, or None."""
+    stage = int((config.get("zero_optimization") or {}).get("stage", 0) or 0)
+    if (config.get("fp16") or {}).get("enabled") in (True, "true"):
+        return ("fp16 under DeepSpeed: its dynamic loss scale skips overflowing steps the gates' optimizer would "
+                "not know of; use bf16 (mixed_precision: bf16)")
+    if stage == 0:
+        return ("DeepSpeed without ZeRO (stage 0): qwen35_accel keeps the gates' norm and step beside ZeRO's "
+                "optimizer; use zero_stage 1, 2 or 3, or DDP (the plugin holds the gates in fp32 there too)")
+    return None
+
+
+def _gather_partitioned_gates(model: nn.Module) -> dict[int, nn.Parameter]:
+    """Under ZeRO-3's zero.Init (the Trainer's load): each GatedDeltaNet's partitioned `A_log`/`dt_bias`
+    gathered and replaced by a whole parameter of the same values (collective over DeepSpeed's
+    group: every rank, modules in the same order); returns id(partitioned original) -> replacement."""
+    from ...model.gate_holder import GATE_PARAM_NAMES
+
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        params = {name: p for name in GATE_PARAM_NAMES if (p := module._parameters.get(name)) is not None}
+        if not any(hasattr(p, "ds_id") for p in params.values()):
+            continue
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+            for name, param in params.items():
+                whole = nn.Parameter(param.data.detach().clone(), requires_grad=param.requires_grad)
+                module._parameters[name] = whole
+                replaced[id(param)] = whole
+    return replaced
+
+
+def _take_gates_out(accelerator: Any, model: nn.Module, args: tuple[Any, ...]) -> Any:
+    from ...model.detect import unwrap_qwen35
+    from ...model.fp32_gate import install_fp32_gate
+    from ...model.state import own_state
+    from ..deepspeed.gates import DeepSpeedGates, hide_holders, take_gates_out
+
+    config = accelerator.deepspeed_plugin.deepspeed_config
+    why = _refusal(config, model)
+    if why is not None:
+        raise NotImplementedError(f"{type(model).__name__} under DeepSpeed: {why}")
+    replaced = _gather_partitioned_gates(model)
+    install_fp32_gate(model)  # the checkpoint's fp32 values read back where the load rounded them
+    note_restored_gates(model)
+    holders = hide_holders(model)
+    optimizer = next((a for a in args if isinstance(a, torch.optim.Optimizer) or type(a).__name__ == "DummyOptim"), None)
+    trainable = any(p.requires_grad for holder in holders for p in holder.parameters())
+    if trainable:
+        gates = take_gates_out(holders, optimizer, config.get("optimizer"), replaced)
+    else:  # frozen gates (LoRA): kept in fp32, nothing to step
+        gates = DeepSpeedGates(holders=holders, optimizer=None, follows=[])
+    own_state(unwrap_qwen35(model)).deepspeed_gates = gates
+    return gates
+
+
+def prepare_deepspeed(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`Accelerator._prepare_deepspeed` with a Qwen3.5-family model: its gates in fp32 holders outside
+    the engine before `deepspeed.initialize`, attached to the engine after."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any) -> Any:
+        model = the_model(args)
+        if model is None or not is_qwen35_module(model):
+            return original(self, *args)
+        gates = _take_gates_out(self, model, args)
+        result = original(self, *args)
+        gates.attach(self.deepspeed_engine_wrapped.engine)
+        stage = (self.deepspeed_plugin.deepspeed_config.get("zero_optimization") or {}).get("stage")
+        main_process_note(
+            f"{type(model).__name__} prepared by qwen35_accel for DeepSpeed ZeRO-{stage}: {len(gates.holders)} "
+            "GatedDeltaNet gate holders (A_log/dt_bias) in fp32 outside the engine — fp32 in the forward, gradients "
+            "averaged over the data-parallel group, inside DeepSpeed's norm and clipping, "
+            + (f"stepped by an fp32 {type(gates.optimizer).__name__}" if gates.optimizer is not None else "frozen")
+            + ", saved fp32"
+        )
+        return result
+
+    return wrapper
+
+
+def get_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`Accelerator.get_state_dict` (the Trainer's save under DeepSpeed): the gates kept outside the engine
+    added in fp32 under the Transformers keys (ZeRO-3's consolidated 16-bit state dict lacks them)."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        from ...model.gate_holder import GATE_PARAM_NAMES, HOLDER_NAME
+        from ...model.state import find_state
+
+        state_dict = original(self, model, *args, **kwargs)
+        base = getattr(model, "module", model)
+        state = find_state(base)
+        if not state_dict or state is None or state.deepspeed_gates is None:
+            return state_dict
+        unwrapped = self.unwrap_model(model)
+        for name, module in unwrapped.named_modules():
+            holder = module.__dict__.get(HOLDER_NAME)
+            if isinstance(holder, nn.Module):
+                for gate in GATE_PARAM_NAMES:
+                    key = f"{name}.{gate}" if name else gate
+                    state_dict[key] = getattr(holder, gate).detach().to("cpu", torch.float32).clone()
+        return state_dict
+
+    return wrapper

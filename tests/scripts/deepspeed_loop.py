@@ -1,0 +1,55 @@
+"""An Accelerate training loop as a user writes it (no Trainer: on a machine without a GPU the Trainer
+refuses bf16 unless `use_cpu`, which turns DeepSpeed off), for DeepSpeed runs in bf16: the model loaded
+in bf16 from MODEL_DIR, 4 SGD steps of 4 rows (the global batch, split over the processes), the
+state dict `Accelerator.get_state_dict` gives saved with `save_pretrained` in OUTPUT_DIR, and on rank 0
+`run.pt`: the losses, DeepSpeed's gradient norms, and every `A_log`/`dt_bias` value and dtype each
+training forward read (a forward hook on each GatedDeltaNet: a test's instrument, not a user's).
+
+    accelerate launch --config_file … tests/scripts/deepspeed_loop.py MODEL_DIR OUTPUT_DIR
+"""
+
+import sys
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
+
+GLOBAL_BATCH, LENGTH, STEPS = 4, 24, 4
+
+
+def main(model_dir: str, out: str) -> None:
+    accelerator = Accelerator()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, model.config.vocab_size, (GLOBAL_BATCH * STEPS, LENGTH), generator=generator)
+    rows = [{"input_ids": row, "labels": row.clone()} for row in ids]
+    loader = DataLoader(rows, batch_size=GLOBAL_BATCH // accelerator.num_processes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    seen: list[dict[str, tuple[str, torch.Tensor]]] = []
+
+    def record(module, args, output):  # where the gates live once prepared: the module's `_fp32_params`, or its own
+        holder = module.__dict__.get("_fp32_params") or module._modules.get("_fp32_params") or module
+        seen.append({name: (str(getattr(holder, name).dtype), getattr(holder, name).detach().float().clone())
+                     for name in ("A_log", "dt_bias")})
+
+    gated = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    gated[0].register_forward_hook(record)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, norms = [], []
+    for batch in loader:
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        norms.append(float(model.get_global_grad_norm()))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(out, state_dict=state_dict)
+        torch.save({"losses": losses, "norms": norms, "seen": seen}, f"{out}/run.pt")
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,132 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 with the plugin (docs/deepspeed.md), launched as a user launches them on
+CPU (gloo; `DS_BUILD_OPS=0`): the unchanged recipe through the Trainer in fp32 against one process, and
+an Accelerate loop in bf16 from a checkpoint as Qwen ships it (bf16 weights, fp32 gates). Needs the
+`deepspeed` extra (CI's DeepSpeed step: `python3 -m pytest -m deepspeed`); skipped elsewhere. On main
+before this work no DeepSpeed launch on CPU got past DeepSpeed's batch-size check (one process per rank),
+and on a GPU the gates were bf16 parameters of the engine under bf16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from _launched import Run, register
+from _parity import assert_same_log_history
+from safetensors.torch import load_file
+from test_trainer_launch import FIXED_LENGTH, SGD, recipe_run
+
+from qwen35_accel.testing.launch import accelerate_launch_command, assert_refused_on_every_rank, run_launch
+
+pytestmark = [
+    pytest.mark.deepspeed, pytest.mark.multiprocess, pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason='deepspeed not installed (pip install -e ".[deepspeed]")'),
+]
+
+CONFIGS = Path(__file__).parent / "configs"
+LOOP = Path(__file__).parent / "scripts" / "deepspeed_loop.py"
+TOKENIZER = str(Path(__file__).parent.parent / "recipes" / "configs" / "tokenizer")
+DS_ENV = {"DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu"}
+GATES = ("A_log", "dt_bias")
+
+
+def save_tiny_fp32(path: Path) -> None:
+    """The tiny dense model at the recipe's byte-level vocabulary, fp32 throughout."""
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
+
+    build_tiny_causal_lm(seed=0, vocab_size=264, eos_token_id=256, pad_token_id=256).save_pretrained(path)
+
+
+def save_as_shipped(path: Path) -> None:
+    """As Qwen ships a checkpoint: bf16 weights, `A_log`/`dt_bias` fp32."""
+    from qwen35_accel.testing.tiny import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm(seed=1, vocab_size=264, eos_token_id=256, pad_token_id=256)
+    gates = {name: p.detach().clone() for name, p in model.named_parameters() if name.endswith(GATES)}
+    model.to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in gates:
+                p.data = gates[name]
+    model.save_pretrained(path)
+
+
+RECIPE_ARGS = ("--model_name_or_path", "{in}", "--tokenizer_name_or_path", TOKENIZER, *FIXED_LENGTH, *SGD)
+register(**{
+    "deepspeed/reference": recipe_run(None, "--per_device_train_batch_size", "4", *RECIPE_ARGS, setup=save_tiny_fp32),
+    **{f"deepspeed/zero{stage}": recipe_run(str(CONFIGS / f"cpu_deepspeed_zero{stage}.yaml"), "--per_device_train_batch_size",
+                                            "2", *RECIPE_ARGS, env=DS_ENV, setup=save_tiny_fp32)
+       for stage in (2, 3)},
+    **{f"deepspeed/zero{stage}-bf16": Run(str(CONFIGS / f"cpu_deepspeed_zero{stage}_bf16.yaml"), LOOP, ("{in}", "{out}"),
+                                          env=DS_ENV, setup=save_as_shipped)
+       for stage in (2, 3)},
+})
+
+
+def _named(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # Transformers' save_pretrained of ZeRO-3's consolidated state dict writes the checkpoint format's
+    # names (`model.language_model.…`); the load maps them back (checked below).
+    return {k.replace("model.language_model.", "model."): v for k, v in weights.items()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp32_zero_under_the_trainer_equals_one_process(launched, stage):
+    """The unchanged recipe under ZeRO-2, and ZeRO-3 with zero.Init (the Trainer's load partitions the
+    gates): every logged value per step (loss, grad_norm with gradient_clipping 1.0, …) and every saved
+    weight, the gates fp32 in the file, as one process on the global batch (fp32: rtol 1e-5; ZeRO reduces
+    in another order). The saved checkpoint loads in one process with those values."""
+    from transformers import AutoModelForCausalLM
+
+    actual, expected = launched(f"deepspeed/zero{stage}"), launched("deepspeed/reference")
+    assert f"prepared by qwen35_accel for DeepSpeed ZeRO-{stage}" in actual.stderr
+    assert_same_log_history(actual.out, expected.out, rtol=1e-5)
+    a, b = _named(load_file(actual.out / "model.safetensors")), load_file(expected.out / "model.safetensors")
+    assert set(a) == set(b)
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+    assert {a[k].dtype for k in a if k.endswith(GATES)} == {torch.float32}
+    reloaded = dict(AutoModelForCausalLM.from_pretrained(actual.out).named_parameters())
+    for key in b:
+        assert torch.equal(reloaded[key].detach(), a[key]), key
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_zero_trains_the_gates_in_fp32_from_a_checkpoint_as_shipped(launched, stage):
+    """bf16 under ZeRO-2, and ZeRO-3 with zero.Init: every training forward reads the gates in fp32, the
+    first bitwise the checkpoint's fp32 values (the bf16 load rounded them; they are read back); they
+    train (fp32 steps of ~1e-5 that bf16 would round away) and are saved fp32; a bf16 load of the saved
+    checkpoint in one process gets those fp32 values back where the plugin holds the gates (its fp32
+    holders read them from the file, as at any prepare)."""
+    from transformers import AutoModelForCausalLM
+
+    from qwen35_accel import install_fp32_gate
+
+    run = launched(f"deepspeed/zero{stage}-bf16")
+    assert "were loaded below fp32; their fp32 values were read back, bitwise" in run.stderr
+    assert f"prepared by qwen35_accel for DeepSpeed ZeRO-{stage}" in run.stderr
+    shipped = load_file(run.inputs / "model.safetensors")
+    first = "model.layers.0.linear_attn."
+    record = torch.load(run.out / "run.pt")
+    assert len(record["seen"]) == 4 and all(dtype == "torch.float32" for step in record["seen"] for dtype, _ in step.values())
+    for name in GATES:
+        assert torch.equal(record["seen"][0][name][1], shipped[first + name]), name
+    assert all(torch.isfinite(torch.tensor(record["losses"]))) and record["norms"][0] > 0
+    saved = _named(load_file(run.out / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(run.out, dtype=torch.bfloat16)
+    assert install_fp32_gate(model) == 2
+    reloaded = dict(model.named_parameters())
+    for key in (k for k in shipped if k.endswith(GATES)):
+        assert saved[key].dtype == torch.float32 and not torch.equal(saved[key], shipped[key]), key  # trained
+        assert reloaded[key].dtype == torch.float32 and torch.equal(reloaded[key].detach(), saved[key]), key
+
+
+def test_fp16_under_deepspeed_is_refused_on_every_rank_with_the_reason(tmp_path):
+    """fp16's dynamic loss scale skips overflowing steps the gates' optimizer would not know of: refused at
+    prepare on every rank, naming bf16."""
+    config = tmp_path / "fp16.yaml"
+    config.write_text((CONFIGS / "cpu_deepspeed_zero2_bf16.yaml").read_text().replace("mixed_precision: 'bf16'", "mixed_precision: 'fp16'"))
+    save_as_shipped(tmp_path / "model")
+    result = run_launch(accelerate_launch_command(config, LOOP, str(tmp_path / "model"), str(tmp_path / "out")), env=DS_ENV)
+    assert_refused_on_every_rank(result, "NotImplementedError", "Qwen3_5ForCausalLM under DeepSpeed: fp16 under DeepSpeed")

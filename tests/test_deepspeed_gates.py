@@ -1,0 +1,72 @@
+"""The gates kept outside DeepSpeed's engine (`integrations/deepspeed/gates.py`), in one process and
+without DeepSpeed: hidden holders leave the forward, the state dict and its loading as they were, and the
+optimizer surgery gives the gates an fp32 optimizer of the user's class and group hyperparameters.
+The launches under DeepSpeed: tests/test_deepspeed.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwen35_accel import install_fp32_gate
+from qwen35_accel.integrations.deepspeed.gates import hide_holders, take_gates_out
+from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
+
+GATES = ("A_log", "dt_bias")
+
+
+def _trainer_groups(model: torch.nn.Module) -> list[dict]:
+    """The Trainer's two groups: weight decay for all but biases and norms (A_log decays, dt_bias does not)."""
+    decay = [p for n, p in model.named_parameters() if not n.endswith("bias") and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if n.endswith("bias") or "norm" in n]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def test_hidden_holders_keep_the_forward_and_the_state_dict_and_leave_parameters():
+    model = build_tiny_causal_lm(seed=0)
+    install_fp32_gate(model)
+    batch = random_batch(2, 12, model.config.vocab_size, seed=1)
+    before_loss, before_state = model(**batch).loss, {k: v.clone() for k, v in model.state_dict().items()}
+    holders = hide_holders(model)
+    assert len(holders) == 2 and not any(name.endswith(GATES) for name, _ in model.named_parameters())
+    assert torch.equal(model(**batch).loss, before_loss)
+    after_state = model.state_dict()
+    assert set(after_state) == set(before_state)
+    for key, value in before_state.items():
+        assert torch.equal(after_state[key], value) and after_state[key].dtype == value.dtype, key
+    changed = {k: (v + 1 if k.endswith(GATES) else v) for k, v in before_state.items()}
+    model.load_state_dict(changed, strict=True)
+    assert all(torch.equal(h.A_log, before_state[k] + 1) for h, k in zip(holders, sorted(k for k in changed if k.endswith("A_log"))))
+
+
+def test_the_gates_leave_the_users_optimizer_for_an_fp32_one_of_its_class_and_groups():
+    model = build_tiny_causal_lm(seed=0)
+    optimizer = torch.optim.AdamW(_trainer_groups(model), lr=3e-4, betas=(0.8, 0.9), eps=1e-7)
+    originals = {n: p for n, p in model.named_parameters() if n.endswith(GATES)}
+    install_fp32_gate(model)
+    gates = take_gates_out(hide_holders(model), optimizer, None)
+    left = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert not any(id(p) in left for p in originals.values())
+    assert len(left) == sum(1 for _ in model.parameters())  # every other parameter stays
+    assert type(gates.optimizer) is torch.optim.AdamW and gates.follows == [0, 1]
+    decayed, kept = gates.optimizer.param_groups
+    assert {id(p) for p in decayed["params"]} == {id(p) for n, p in originals.items() if n.endswith("A_log")}
+    assert {id(p) for p in kept["params"]} == {id(p) for n, p in originals.items() if n.endswith("dt_bias")}
+    assert (decayed["weight_decay"], kept["weight_decay"]) == (0.1, 0.0)
+    assert all(g["lr"] == 3e-4 and g["betas"] == (0.8, 0.9) and g["eps"] == 1e-7 for g in (decayed, kept))
+    assert all(p.dtype == torch.float32 for p in gates.params)
+
+
+def test_an_optimizer_of_the_deepspeed_config_is_mirrored_or_refused_naming_it():
+    from accelerate.utils.deepspeed import DummyOptim
+
+    model = build_tiny_causal_lm(seed=0)
+    install_fp32_gate(model)
+    holders = hide_holders(model)
+    gate_ids = {id(p) for h in holders for p in h.parameters()}
+    dummy = DummyOptim(list(model.parameters()) + [p for h in holders for p in h.parameters()], lr=1e-3)
+    gates = take_gates_out(holders, dummy, {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}})
+    assert not any(id(p) in gate_ids for p in dummy.params)
+    assert type(gates.optimizer) is torch.optim.AdamW and gates.optimizer.param_groups[0]["lr"] == 2e-3
+    with pytest.raises(NotImplementedError, match=r"the DeepSpeed config's optimizer 'lamb'.*mirrors \['adam', 'adamw', 'sgd'\]"):
+        take_gates_out(holders, DummyOptim([p for h in holders for p in h.parameters()]), {"type": "Lamb"})

@@ -90,6 +90,15 @@ def test_tiled_loss_setting_takes_its_modes_and_its_former_boolean_spellings():
         PluginSettings.from_env({"QWEN35_ACCEL_TILED_LOSS": "keep"})
 
 
+def _all_active_but_deepspeeds_waiting(points: list[dict]) -> bool:
+    """Every point active, DeepSpeed's active or waiting for their modules (Accelerate imports them for a
+    DeepSpeed run; absent without the deepspeed extra)."""
+    deepspeed = [p for p in points if p["target"].startswith("deepspeed.")]
+    return len(deepspeed) == 3 and all(p["active"] or p["deferred"] for p in deepspeed) and all(
+        p["active"] for p in points if p not in deepspeed
+    )
+
+
 def test_patch_points_install_idempotently_restore_and_respect_the_version_guard(monkeypatch):
     import accelerate
     import transformers.trainer
@@ -109,7 +118,7 @@ def test_patch_points_install_idempotently_restore_and_respect_the_version_guard
     assert plugin.status()["active"], "the torch entry point did not activate the plugin"
     patched = Accelerator._prepare_fsdp2
     assert plugin.install() and Accelerator._prepare_fsdp2 is patched  # idempotent
-    assert all(p["active"] for p in plugin.status()["patch_points"])
+    assert _all_active_but_deepspeeds_waiting(plugin.status()["patch_points"])
 
     plugin.uninstall()
     try:
@@ -124,7 +133,7 @@ def test_patch_points_install_idempotently_restore_and_respect_the_version_guard
     finally:
         monkeypatch.undo()
         assert plugin.install()
-    assert all(p["active"] for p in plugin.status()["patch_points"])
+    assert _all_active_but_deepspeeds_waiting(plugin.status()["patch_points"])
 
 
 def _accelerator(world: int, cp: int, **plugin_kwargs):

@@ -16,6 +16,7 @@ import torch
 from _launched import Run, register
 from _parity import assert_same_log_history
 from safetensors.torch import load_file
+from test_moe_launch import MOE, save_tiny_moe
 from test_trainer_launch import FIXED_LENGTH, SGD, recipe_run
 
 from qwen35_accel.testing.launch import accelerate_launch_command, assert_refused_on_every_rank, run_launch
@@ -59,6 +60,10 @@ register(**{
     **{f"deepspeed/zero{stage}": recipe_run(str(CONFIGS / f"cpu_deepspeed_zero{stage}.yaml"), "--per_device_train_batch_size",
                                             "2", *RECIPE_ARGS, env=DS_ENV, setup=save_tiny_fp32)
        for stage in (2, 3)},
+    # Qwen3.5-MoE with the router's loss on: dp 2's oracle is one process over the same two micro-batches
+    # (tests/test_moe_launch.py's moe/reference-ga2).
+    "deepspeed/moe-zero3": recipe_run(str(CONFIGS / "cpu_deepspeed_zero3.yaml"), "--per_device_train_batch_size", "2", *MOE,
+                                      env=DS_ENV, setup=save_tiny_moe),
     **{f"deepspeed/zero{stage}-bf16": Run(str(CONFIGS / f"cpu_deepspeed_zero{stage}_bf16.yaml"), LOOP, ("{in}", "{out}"),
                                           env=DS_ENV, setup=save_as_shipped)
        for stage in (2, 3)},
@@ -71,15 +76,20 @@ def _named(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k.replace("model.language_model.", "model."): v for k, v in weights.items()}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_fp32_zero_under_the_trainer_equals_one_process(launched, stage):
+@pytest.mark.parametrize("stage,run,reference", [
+    (2, "deepspeed/zero2", "deepspeed/reference"),
+    (3, "deepspeed/zero3", "deepspeed/reference"),
+    (3, "deepspeed/moe-zero3", "moe/reference-ga2"),
+], ids=["zero2", "zero3", "moe-zero3"])
+def test_fp32_zero_under_the_trainer_equals_one_process(launched, stage, run, reference):
     """The unchanged recipe under ZeRO-2, and ZeRO-3 with zero.Init (the Trainer's load partitions the
-    gates): every logged value per step (loss, grad_norm with gradient_clipping 1.0, …) and every saved
-    weight, the gates fp32 in the file, as one process on the global batch (fp32: rtol 1e-5; ZeRO reduces
-    in another order). The saved checkpoint loads in one process with those values."""
+    gates), dense and MoE (the router's loss counted as one process counts it): every logged value per
+    step (loss, grad_norm with gradient_clipping 1.0, …) and every saved weight, the gates fp32 in the
+    file, as one process on the same rows (fp32: rtol 1e-5; ZeRO reduces in another order). The saved
+    checkpoint loads in one process with those values."""
     from transformers import AutoModelForCausalLM
 
-    actual, expected = launched(f"deepspeed/zero{stage}"), launched("deepspeed/reference")
+    actual, expected = launched(run), launched(reference)
     assert f"prepared by qwen35_accel for DeepSpeed ZeRO-{stage}" in actual.stderr
     assert_same_log_history(actual.out, expected.out, rtol=1e-5)
     a, b = _named(load_file(actual.out / "model.safetensors")), load_file(expected.out / "model.safetensors")
@@ -88,7 +98,8 @@ def test_fp32_zero_under_the_trainer_equals_one_process(launched, stage):
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
     assert {a[k].dtype for k in a if k.endswith(GATES)} == {torch.float32}
     reloaded = dict(AutoModelForCausalLM.from_pretrained(actual.out).named_parameters())
-    for key in b:
+    assert {k for k in a if k.endswith(GATES)} <= set(reloaded)
+    for key in set(a) & set(reloaded):  # (the MoE's experts load fused: other names)
         assert torch.equal(reloaded[key].detach(), a[key]), key
 
 

@@ -36,7 +36,7 @@ def no_accelerator() -> bool:
     return not torch.cuda.is_available()
 
 
-def cpu_fsdp_wanted() -> bool:
+def cpu_launch_wanted() -> bool:
     """An FSDP or DeepSpeed launch of several processes on a machine without accelerators."""
     from accelerate.utils import get_int_from_env
 
@@ -108,7 +108,7 @@ def prepare_backend(original: Callable[..., Any]) -> Callable[..., Any]:
 
         global _exit_hook_registered
         chosen_backend, distributed_type = original(self, cpu, sagemaker_dp, backend)
-        if distributed_type == DistributedType.NO and backend in (None, "gloo") and cpu_fsdp_wanted():
+        if distributed_type == DistributedType.NO and backend in (None, "gloo") and cpu_launch_wanted():
             if not _exit_hook_registered:
                 atexit.register(close_gloo_group_at_exit)
                 _exit_hook_registered = True

@@ -66,9 +66,9 @@ def _take_gates_out(accelerator: Any, model: nn.Module, args: tuple[Any, ...]) -
     holders = hide_holders(model)
     optimizer = next((a for a in args if isinstance(a, torch.optim.Optimizer) or type(a).__name__ == "DummyOptim"), None)
     trainable = any(p.requires_grad for holder in holders for p in holder.parameters())
-    if trainable:
+    if trainable and optimizer is not None:
         gates = take_gates_out(holders, optimizer, config.get("optimizer"), replaced)
-    else:  # frozen gates (LoRA): kept in fp32, nothing to step
+    else:  # frozen gates (LoRA), or no optimizer (evaluation, inference): kept in fp32, nothing to step
         gates = DeepSpeedGates(holders=holders, optimizer=None, follows=[])
     own_state(unwrap_qwen35(model)).deepspeed_gates = gates
     return gates

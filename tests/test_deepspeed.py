@@ -54,6 +54,8 @@ def save_as_shipped(path: Path) -> None:
     model.save_pretrained(path)
 
 
+# The tests name their runs without `launches` marks: each DeepSpeed run gets a launch of its own, on demand (a
+# marked batch would run two Trainers in one process that initialised DeepSpeed, which no user does).
 RECIPE_ARGS = ("--model_name_or_path", "{in}", "--tokenizer_name_or_path", TOKENIZER, *FIXED_LENGTH, *SGD)
 register(**{
     "deepspeed/reference": recipe_run(None, "--per_device_train_batch_size", "4", *RECIPE_ARGS, setup=save_tiny_fp32),

@@ -26,13 +26,13 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 from ...model.detect import FAMILIES, Qwen35Parts, head_backbone, qwen35_parts
 from ...model.fp32_gate import GATED_DELTA_NET_CLASSES, Fp32GateGatedDeltaNet
 from ...model.hub_kernels import swap_class
-from ...model.state import own_state, state_of
 from ...model.packing import (
     SEQUENCE_SHARDED_ATTR,
     document_layout,
     refuse_packed_rows_of_a_sequence_classifier,
     text_positions,
 )
+from ...model.state import own_state, state_of
 from ...ops.causal_conv import fla_conv_kernel, select_conv_kernel
 from ..collectives import all_gather_flat
 from ..losses import CausalLMLoss
@@ -52,8 +52,6 @@ from .gated_delta_net import (
 from .chunks import chunk_owner, unshard_sequence
 from .state_exchange import EXCHANGES
 from .vision_split import install_context_parallel_vision
-
-
 
 _VISION_INPUTS = ("pixel_values", "pixel_values_videos")
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")

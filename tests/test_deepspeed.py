@@ -9,6 +9,7 @@ and on a GPU the gates were bf16 parameters of the engine under bf16.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,11 @@ from _launched import Run, register
 from _parity import assert_same_log_history
 from safetensors.torch import load_file
 from test_moe_launch import MOE, save_tiny_moe
-from test_trainer_launch import FIXED_LENGTH, SGD, recipe_run
+from test_torchrun_launch import SCRIPT as TORCHRUN_SCRIPT
+from test_trainer_launch import FIXED_LENGTH, SGD, assert_same_training, recipe_run
 
-from qwen35_accel.testing.launch import accelerate_launch_command, assert_refused_on_every_rank, run_launch
+from qwen35_accel.testing.launch import accelerate_launch_command, assert_refused_on_every_rank, describe, run_launch
+from qwen35_accel.testing.local_world import free_port
 
 pytestmark = [
     pytest.mark.deepspeed, pytest.mark.multiprocess, pytest.mark.slow,
@@ -143,3 +146,18 @@ def test_fp16_under_deepspeed_is_refused_on_every_rank_with_the_reason(tmp_path)
     save_as_shipped(tmp_path / "model")
     result = run_launch(accelerate_launch_command(config, LOOP, str(tmp_path / "model"), str(tmp_path / "out")), env=DS_ENV)
     assert_refused_on_every_rank(result, "NotImplementedError", "Qwen3_5ForCausalLM under DeepSpeed: fp16 under DeepSpeed")
+
+
+def test_trainer_deepspeed_argument_under_torchrun_equals_one_process(launched, tmp_path):
+    """`TrainingArguments(deepspeed={...ZeRO-2...})` launched by torchrun (no Accelerate config): the plugin
+    prepares it as under `accelerate launch`, and every logged value and every saved weight equal one
+    process on the global batch (tests/test_torchrun_launch.py's reference). total_flos is not compared:
+    `num_parameters()` leaves out the gates kept outside the module tree (docs/deepspeed.md)."""
+    single = launched("torchrun/single").out / "single"
+    result = run_launch(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(TORCHRUN_SCRIPT), str(tmp_path), "--deepspeed"], env=DS_ENV,
+    )
+    assert result.returncode == 0 and not result.leftover_processes, describe(result)
+    assert "prepared by qwen35_accel for DeepSpeed ZeRO-2" in result.stderr
+    assert_same_training(tmp_path / "zero2", single, rtol=1e-5)

@@ -14,7 +14,8 @@ global batch is 4 rows in both, as in the one-process run (`OUTPUT_DIR/single`).
 directory gets `trainer_state.json` and the saved model.
 
 On a machine without accelerators `use_cpu=True` is set (`--no_use_cpu` leaves it out, to
-show what stock Transformers says then).
+show what stock Transformers says then). `--deepspeed` trains once instead, `OUTPUT_DIR/zero2`:
+`TrainingArguments(deepspeed={...ZeRO-2...})`, 2 rows per rank.
 """
 
 import sys
@@ -28,10 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 import sft  # noqa: E402  (the recipe's tokenizer, tiny model and toy data)
 
 ROWS = 4  # the global batch of every run
+# `Trainer(deepspeed=...)`'s dict form, values left to the Trainer ("auto") as users write it.
+DEEPSPEED = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
 FSDP_CONFIG = {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen3_5DecoderLayer"], "reshard_after_forward": True}
 
 
-def train(out: Path, per_device: int, *, fsdp: str | bool, parallelism_config: ParallelismConfig | None, use_cpu: bool) -> None:
+def train(out: Path, per_device: int, *, fsdp: str | bool, parallelism_config: ParallelismConfig | None, use_cpu: bool,
+          deepspeed: dict | None = None) -> None:
     script_args = sft.ScriptArguments(pad_to_multiple_of=62)  # the longest example has 57 tokens
     args = TrainingArguments(
         output_dir=str(out),
@@ -51,6 +56,7 @@ def train(out: Path, per_device: int, *, fsdp: str | bool, parallelism_config: P
         fsdp=fsdp,
         fsdp_config=dict(FSDP_CONFIG) if fsdp else None,
         parallelism_config=parallelism_config,
+        deepspeed=deepspeed,
     )
     tokenizer = sft.load_tokenizer(script_args)
     model = sft.load_model(script_args, args.seed)
@@ -67,7 +73,7 @@ def train(out: Path, per_device: int, *, fsdp: str | bool, parallelism_config: P
     trainer.save_state()
 
 
-def main(out: str, use_cpu: bool) -> None:
+def main(out: str, use_cpu: bool, deepspeed: bool = False) -> None:
     import os
 
     root = Path(out)
@@ -75,9 +81,12 @@ def main(out: str, use_cpu: bool) -> None:
         train(root / "single", ROWS, fsdp=False, parallelism_config=None, use_cpu=use_cpu)
         return
     world = int(os.environ["WORLD_SIZE"])
+    if deepspeed:  # DeepSpeed off where use_cpu is set: on CPU the plugin runs it over gloo
+        train(root / "zero2", ROWS // world, fsdp=False, parallelism_config=None, use_cpu=False, deepspeed=DEEPSPEED)
+        return
     train(root / "fsdp2", ROWS // world, fsdp="full_shard auto_wrap", parallelism_config=None, use_cpu=use_cpu)
     train(root / "cp2", ROWS, fsdp=True, parallelism_config=ParallelismConfig(cp_size=world), use_cpu=use_cpu)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], use_cpu="--no_use_cpu" not in sys.argv[2:] and not torch.cuda.is_available())
+    main(sys.argv[1], use_cpu="--no_use_cpu" not in sys.argv[2:] and not torch.cuda.is_available(), deepspeed="--deepspeed" in sys.argv[2:])

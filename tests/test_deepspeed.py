@@ -96,7 +96,7 @@ def test_fp32_zero_under_the_trainer_equals_one_process(launched, stage, run, re
 
     actual, expected = launched(run), launched(reference)
     assert f"prepared by qwen35_accel for DeepSpeed ZeRO-{stage}" in actual.stderr
-    assert_same_log_history(actual.out, expected.out, rtol=1e-5)
+    assert_same_log_history(actual.out, expected.out, rtol=1e-5, flos=True)
     a, b = _named(load_file(actual.out / "model.safetensors")), load_file(expected.out / "model.safetensors")
     assert set(a) == set(b)
     for key in b:
@@ -151,8 +151,8 @@ def test_fp16_under_deepspeed_is_refused_on_every_rank_with_the_reason(tmp_path)
 def test_trainer_deepspeed_argument_under_torchrun_equals_one_process(launched, tmp_path):
     """`TrainingArguments(deepspeed={...ZeRO-2...})` launched by torchrun (no Accelerate config): the plugin
     prepares it as under `accelerate launch`, and every logged value and every saved weight equal one
-    process on the global batch (tests/test_torchrun_launch.py's reference). total_flos is not compared:
-    `num_parameters()` leaves out the gates kept outside the module tree (docs/deepspeed.md)."""
+    process on the global batch (tests/test_torchrun_launch.py's reference), total_flos included (the
+    plugin counts the gates `num_parameters()` no longer sees)."""
     single = launched("torchrun/single").out / "single"
     result = run_launch(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
@@ -160,4 +160,4 @@ def test_trainer_deepspeed_argument_under_torchrun_equals_one_process(launched, 
     )
     assert result.returncode == 0 and not result.leftover_processes, describe(result)
     assert "prepared by qwen35_accel for DeepSpeed ZeRO-2" in result.stderr
-    assert_same_training(tmp_path / "zero2", single, rtol=1e-5)
+    assert_same_training(tmp_path / "zero2", single, rtol=1e-5, flos=True)

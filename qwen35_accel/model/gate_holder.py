@@ -84,7 +84,7 @@ def transformers_name(name: str) -> str:
     return name.replace(f".{HOLDER_NAME}.", ".")
 
 
-def _hidden_holder(module: nn.Module) -> nn.Module | None:
+def hidden_holder(module: nn.Module) -> nn.Module | None:
     """The holder kept outside the module tree (under DeepSpeed: `integrations/deepspeed/gates.py`), or None."""
     holder = module.__dict__.get(HOLDER_NAME)
     return holder if isinstance(holder, nn.Module) else None
@@ -93,7 +93,7 @@ def _hidden_holder(module: nn.Module) -> nn.Module | None:
 def _gate_state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """`prefix._fp32_params.A_log` -> `prefix.A_log` (the Transformers key); a holder kept outside the
     module tree adds its values under those keys."""
-    if (holder := _hidden_holder(module)) is not None:
+    if (holder := hidden_holder(module)) is not None:
         for name in GATE_PARAM_NAMES:
             state_dict[f"{prefix}{name}"] = getattr(holder, name).detach()
         return
@@ -106,7 +106,7 @@ def _gate_state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], pr
 def _gate_load_state_dict_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """Accept the Transformers keys `prefix.A_log` / `prefix.dt_bias` when loading; a holder kept outside
     the module tree takes their values here (fp32)."""
-    if (holder := _hidden_holder(module)) is not None:
+    if (holder := hidden_holder(module)) is not None:
         for name in GATE_PARAM_NAMES:
             if (value := state_dict.pop(f"{prefix}{name}", None)) is not None:
                 with torch.no_grad():

@@ -105,18 +105,15 @@ def get_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def wrapper(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        from ...model.gate_holder import GATE_PARAM_NAMES, HOLDER_NAME
+        from ...model.gate_holder import GATE_PARAM_NAMES, hidden_holder
         from ...model.state import find_state
 
         state_dict = original(self, model, *args, **kwargs)
-        base = getattr(model, "module", model)
-        state = find_state(base)
+        state = find_state(model)
         if not state_dict or state is None or state.deepspeed_gates is None:
             return state_dict
-        unwrapped = self.unwrap_model(model)
-        for name, module in unwrapped.named_modules():
-            holder = module.__dict__.get(HOLDER_NAME)
-            if isinstance(holder, nn.Module):
+        for name, module in self.unwrap_model(model).named_modules():
+            if (holder := hidden_holder(module)) is not None:
                 for gate in GATE_PARAM_NAMES:
                     key = f"{name}.{gate}" if name else gate
                     state_dict[key] = getattr(holder, gate).detach().to("cpu", torch.float32).clone()

@@ -57,22 +57,25 @@ class DeepSpeedGates:
             holder.to(engine.device)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            for param in self.params:
-                dist.broadcast(param.data, source, group=self.group)
+            values = [param.data for param in self.params]
+            flat = _flat(values)  # one collective for every gate of the model
+            dist.broadcast(flat, source, group=self.group)
+            _unflat(flat, values)
 
     def reduce(self) -> torch.Tensor:
         """At the accumulation boundary: each gate gradient averaged over the data-parallel group (as
         ZeRO averages the others); returns their squared norm (fp32 scalar)."""
-        squared = torch.zeros((), dtype=torch.float32)
-        size = dist.get_world_size(self.group) if dist.is_initialized() else 1
         for param in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            if size > 1:
-                dist.all_reduce(param.grad, group=self.group)
-                param.grad.div_(size)
-            squared = squared.to(param.grad.device) + param.grad.float().pow(2).sum()
-        return squared
+        grads = [param.grad for param in self.params]
+        flat = _flat(grads)  # one collective for every gate of the model
+        size = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        if size > 1:
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(size)
+            _unflat(flat, grads)
+        return flat.float().pow(2).sum()
 
     def step(self, engine: Any) -> None:
         """After DeepSpeed's step: the gate gradients clipped by DeepSpeed's coefficient (its global norm
@@ -90,6 +93,17 @@ class DeepSpeedGates:
             gate_group["lr"] = groups[index]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`tensors` (one dtype and device) as one new 1-D tensor."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy `flat`'s consecutive pieces back into `tensors`."""
+    for tensor, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+        tensor.copy_(piece.view_as(tensor))
 
 
 def hide_holders(model: nn.Module) -> list[nn.Module]:

@@ -166,28 +166,40 @@ def floating_point_ops(original: Callable[..., Any]) -> Callable[..., Any]:
     group hold the same batch, and under tp `num_parameters` counts this rank's slices of
     the split parameters. The group's first rank (cp and tp coordinates 0) gives the stock
     estimate with the unsplit model's parameter count, the others 0: the sum is exactly
-    what the data-parallel ranks alone would log."""
+    what the data-parallel ranks alone would log. Under DeepSpeed, `num_parameters` does not see
+    the gates the plugin keeps outside the engine: they are counted in the same way."""
 
     @functools.wraps(original)
     def wrapper(self: Any, inputs: dict[str, Any]) -> int:
         accelerator = getattr(self, "accelerator", None)
-        if _ranks_sharing_a_batch(accelerator) == 1:
+        shared = _ranks_sharing_a_batch(accelerator)
+        hidden = _hidden_gate_numel(self.model)
+        if shared == 1 and not hidden:
             return original(self, inputs)
         from ...parallel.mesh import has_dim
         from ...parallel.tensor_parallel import tensor_parallel_numel_elsewhere
 
-        mesh = accelerator.torch_device_mesh
-        if any(has_dim(mesh, name) and mesh[name].get_local_rank() != 0 for name in ("cp", "tp")):
+        mesh = getattr(accelerator, "torch_device_mesh", None)
+        if shared > 1 and any(has_dim(mesh, name) and mesh[name].get_local_rank() != 0 for name in ("cp", "tp")):
             return 0
         flops = original(self, inputs)
-        elsewhere = tensor_parallel_numel_elsewhere(self.model)
-        if not flops or not elsewhere:
+        uncounted = hidden + (tensor_parallel_numel_elsewhere(self.model) if shared > 1 else 0)
+        if not flops or not uncounted:
             return flops
         # The stock estimate is a multiple of this rank's count: scaled exactly.
         local = self.model.num_parameters(exclude_embeddings=True)
-        return flops * (local + elsewhere) // local
+        return flops * (local + uncounted) // local
 
     return wrapper
+
+
+def _hidden_gate_numel(model: Any) -> int:
+    """The elements of the gates kept outside a DeepSpeed engine (`integrations/deepspeed/gates.py`), else 0."""
+    from ...model.state import find_state
+
+    state = find_state(model) if isinstance(model, torch.nn.Module) else None
+    gates = state.deepspeed_gates if state is not None else None
+    return sum(p.numel() for p in gates.params) if gates is not None else 0
 
 
 def _ranks_sharing_a_batch(accelerator: Any) -> int:

@@ -19,7 +19,7 @@ from _parity import assert_same_log_history
 from safetensors.torch import load_file
 from test_moe_launch import MOE, save_tiny_moe
 from test_torchrun_launch import SCRIPT as TORCHRUN_SCRIPT
-from test_trainer_launch import FIXED_LENGTH, SGD, assert_same_training, recipe_run
+from test_trainer_launch import FIXED_LENGTH, RESUME_FROM, SGD, assert_same_training, losses, recipe_run
 
 from qwen35_accel.testing.launch import accelerate_launch_command, assert_refused_on_every_rank, describe, run_launch
 from qwen35_accel.testing.local_world import free_port
@@ -59,7 +59,8 @@ def save_as_shipped(path: Path) -> None:
 
 # The tests name their runs without `launches` marks: each DeepSpeed run gets a launch of its own, on demand (a
 # marked batch would run two Trainers in one process that initialised DeepSpeed, which no user does).
-RECIPE_ARGS = ("--model_name_or_path", "{in}", "--tokenizer_name_or_path", TOKENIZER, *FIXED_LENGTH, *SGD)
+MODEL_ARGS = ("--model_name_or_path", "{in}", "--tokenizer_name_or_path", TOKENIZER)
+RECIPE_ARGS = (*MODEL_ARGS, *FIXED_LENGTH, *SGD)
 register(**{
     "deepspeed/reference": recipe_run(None, "--per_device_train_batch_size", "4", *RECIPE_ARGS, setup=save_tiny_fp32),
     **{f"deepspeed/zero{stage}": recipe_run(str(CONFIGS / f"cpu_deepspeed_zero{stage}.yaml"), "--per_device_train_batch_size",
@@ -69,6 +70,13 @@ register(**{
     # (tests/test_moe_launch.py's moe/reference-ga2).
     "deepspeed/moe-zero3": recipe_run(str(CONFIGS / "cpu_deepspeed_zero3.yaml"), "--per_device_train_batch_size", "2", *MOE,
                                       env=DS_ENV, setup=save_tiny_moe),
+    # AdamW (the recipe's optimizer): its state is what a resume must bring back. Checkpoint at step 2 of 4.
+    "deepspeed/zero3-resume-full": recipe_run(str(CONFIGS / "cpu_deepspeed_zero3.yaml"), "--per_device_train_batch_size", "2",
+                                              *MODEL_ARGS, *FIXED_LENGTH, *RESUME_FROM, env=DS_ENV, setup=save_tiny_fp32),
+    "deepspeed/zero3-resume-resumed": recipe_run(
+        str(CONFIGS / "cpu_deepspeed_zero3.yaml"), "--per_device_train_batch_size", "2", *MODEL_ARGS, *FIXED_LENGTH,
+        "--resume_from_checkpoint", "{out:deepspeed/zero3-resume-full}/checkpoint-2", env=DS_ENV, setup=save_tiny_fp32,
+        after=("deepspeed/zero3-resume-full",)),
     **{f"deepspeed/zero{stage}-bf16": Run(str(CONFIGS / f"cpu_deepspeed_zero{stage}_bf16.yaml"), LOOP, ("{in}", "{out}"),
                                           env=DS_ENV, setup=save_as_shipped)
        for stage in (2, 3)},
@@ -108,6 +116,33 @@ def test_fp32_zero_under_the_trainer_equals_one_process(launched, stage, run, re
         assert torch.equal(reloaded[key].detach(), a[key]), key
 
 
+def test_zero3_checkpoint_resumes_the_gates_optimizer_and_consolidates_the_gates(launched):
+    """The Trainer's periodic DeepSpeed checkpoint under ZeRO-3 (zero.Init) with AdamW: it carries the gates'
+    fp32 values and their AdamW state (DeepSpeed's engine knows only its own parameters), a run resumed from
+    it repeats the uninterrupted run's steps 3-4 and final weights (same layout on both sides: fp32 rtol
+    1e-5; a fresh gate AdamW moves each gate by ~lr = 3e-3 at step 3), and DeepSpeed's `zero_to_fp32`
+    writes every weight of the checkpoint's model file, the gates fp32 among them."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    full = launched("deepspeed/zero3-resume-full").out
+    resumed = launched("deepspeed/zero3-resume-resumed").out
+    states = torch.load(full / "checkpoint-2" / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)
+    gate_optimizer = states["qwen35_accel_gates"]["optimizer"]
+    assert {"exp_avg", "exp_avg_sq"} <= set(next(iter(gate_optimizer["state"].values())))
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(losses(resumed, key)[-2:]), torch.tensor(losses(full, key)[-2:]),
+                                   rtol=1e-5, atol=0, msg=lambda m, key=key: f"{key}: {m}")
+    a, b = load_file(resumed / "model.safetensors"), load_file(full / "model.safetensors")
+    assert set(a) == set(b) and any(k.endswith(GATES) for k in b)
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(full / "checkpoint-2")
+    saved = _named(load_file(full / "checkpoint-2" / "model.safetensors"))
+    assert set(consolidated) == set(saved)
+    for key in saved:
+        assert consolidated[key].dtype == torch.float32 and torch.equal(consolidated[key], saved[key]), key
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_bf16_zero_trains_the_gates_in_fp32_from_a_checkpoint_as_shipped(launched, stage):
     """bf16 under ZeRO-2, and ZeRO-3 with zero.Init: every training forward reads the gates in fp32, the
@@ -138,14 +173,23 @@ def test_bf16_zero_trains_the_gates_in_fp32_from_a_checkpoint_as_shipped(launche
         assert reloaded[key].dtype == torch.float32 and torch.equal(reloaded[key].detach(), saved[key]), key
 
 
-def test_fp16_under_deepspeed_is_refused_on_every_rank_with_the_reason(tmp_path):
-    """fp16's dynamic loss scale skips overflowing steps the gates' optimizer would not know of: refused at
-    prepare on every rank, naming bf16."""
-    config = tmp_path / "fp16.yaml"
-    config.write_text((CONFIGS / "cpu_deepspeed_zero2_bf16.yaml").read_text().replace("mixed_precision: 'bf16'", "mixed_precision: 'fp16'"))
+SP2 = "parallelism_config:\n  parallelism_config_sp_size: 2\n  parallelism_config_sp_backend: deepspeed\n"
+
+
+@pytest.mark.parametrize("change,refusal", [
+    (("mixed_precision: 'bf16'", "mixed_precision: 'fp16'"), "fp16 under DeepSpeed"),
+    (("mixed_precision: 'bf16'", "mixed_precision: 'no'\n" + SP2), "DeepSpeed's sequence parallelism (Ulysses/ALST, sp_size 2)"),
+], ids=["fp16", "ulysses-sp2"])
+def test_what_cannot_be_exact_under_deepspeed_is_refused_on_every_rank_with_the_reason(tmp_path, change, refusal):
+    """Refused at prepare on every rank, with the reason: fp16 (its dynamic loss scale skips overflowing steps
+    the gates' optimizer would not know of; names bf16), and DeepSpeed's sequence parallelism (each
+    GatedDeltaNet would restart its state on every rank; names the FSDP2 path's context parallelism —
+    Accelerate's own refusal offers `sp_allow_recurrent_layers`, which would train on wrong gradients)."""
+    config = tmp_path / "refused.yaml"
+    config.write_text((CONFIGS / "cpu_deepspeed_zero2_bf16.yaml").read_text().replace(*change))
     save_as_shipped(tmp_path / "model")
     result = run_launch(accelerate_launch_command(config, LOOP, str(tmp_path / "model"), str(tmp_path / "out")), env=DS_ENV)
-    assert_refused_on_every_rank(result, "NotImplementedError", "Qwen3_5ForCausalLM under DeepSpeed: fp16 under DeepSpeed")
+    assert_refused_on_every_rank(result, "NotImplementedError", f"Qwen3_5ForCausalLM under DeepSpeed: {refusal}")
 
 
 def test_trainer_deepspeed_argument_under_torchrun_equals_one_process(launched, tmp_path):

@@ -70,3 +70,36 @@ def test_an_optimizer_of_the_deepspeed_config_is_mirrored_or_refused_naming_it()
     assert type(gates.optimizer) is torch.optim.AdamW and gates.optimizer.param_groups[0]["lr"] == 2e-3
     with pytest.raises(NotImplementedError, match=r"the DeepSpeed config's optimizer 'lamb'.*mirrors \['adam', 'adamw', 'sgd'\]"):
         take_gates_out(holders, DummyOptim([p for h in holders for p in h.parameters()]), {"type": "Lamb"})
+
+
+def test_the_gates_checkpoint_state_round_trips_and_refuses_another_models():
+    """What a DeepSpeed checkpoint keeps of the gates (`gates_state`): their fp32 values and AdamW state; loaded
+    into another instance it gives the same next step; a model of another shape is refused with the counts."""
+    from qwen35_accel.integrations.deepspeed.gates import gates_state, load_gates_state
+
+    def gates_after(steps: range, saved: dict | None = None):  # only the gates step; the batches by step number
+        model = build_tiny_causal_lm(seed=0)
+        install_fp32_gate(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gates = take_gates_out(hide_holders(model), optimizer, None)
+        if saved is not None:
+            load_gates_state(gates, saved)
+        for step in steps:
+            model(**random_batch(2, 12, model.config.vocab_size, seed=step)).loss.backward()
+            gates.reduce()
+            gates.optimizer.step()
+            gates.optimizer.zero_grad(set_to_none=True)
+        return gates
+
+    saved = gates_state(gates_after(range(2)))
+    assert all(v.dtype == torch.float32 for v in saved["values"]) and saved["optimizer"]["state"]
+    continued, uninterrupted = gates_after(range(2, 3), saved), gates_after(range(3))
+    fresh = gates_after(range(2, 3), {"values": saved["values"], "optimizer": None})
+    for a, b, c in zip(continued.params, uninterrupted.params, fresh.params):
+        assert torch.equal(a, b) and not torch.equal(c, b)
+    other = build_tiny_causal_lm(seed=0, num_hidden_layers=8)
+    install_fp32_gate(other)
+    optimizer = torch.optim.AdamW(other.parameters())
+    other_gates = take_gates_out(hide_holders(other), optimizer, None)
+    with pytest.raises(ValueError, match=r"\(4 tensors, .* this model's \(\d+ tensors"):
+        load_gates_state(other_gates, saved)

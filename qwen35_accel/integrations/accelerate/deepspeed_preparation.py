@@ -17,9 +17,17 @@ from ..targets import is_qwen35_module, the_model
 from .preparation import note_restored_gates
 
 
-def _refusal(config: dict[str, Any], model: nn.Module) -> str | None:
-    """Why this DeepSpeed configuration cannot train the gates exactly, or None."""
+def _refusal(config: dict[str, Any], parallelism: Any = None) -> str | None:
+    """Why this DeepSpeed configuration (and Accelerate's `ParallelismConfig`, `parallelism`) cannot train
+    the gates exactly, or None."""
     stage = int((config.get("zero_optimization") or {}).get("stage", 0) or 0)
+    sp_size = int(getattr(parallelism, "sp_size", 1) or 1)
+    if sp_size > 1 and getattr(parallelism, "sp_backend", None) == "deepspeed":
+        return (f"DeepSpeed's sequence parallelism (Ulysses/ALST, sp_size {sp_size}): it shards the sequence around the "
+                "attention interface, and each GatedDeltaNet would restart its recurrent state and conv on every rank "
+                "(wrong gradients, even with sp_allow_recurrent_layers); for long sequences use the FSDP2 path's context "
+                "parallelism (cp_size in the YAML's parallelism_config, e.g. accelerate_configs/fsdp2_cp2.yaml: "
+                "the state passed between ranks, exact)")
     if (config.get("fp16") or {}).get("enabled") in (True, "true"):
         return ("fp16 under DeepSpeed: its dynamic loss scale skips overflowing steps the gates' optimizer would "
                 "not know of; use bf16 (mixed_precision: bf16)")
@@ -57,7 +65,7 @@ def _take_gates_out(accelerator: Any, model: nn.Module, args: tuple[Any, ...]) -
     from ..deepspeed.gates import DeepSpeedGates, hide_holders, take_gates_out
 
     config = accelerator.deepspeed_plugin.deepspeed_config
-    why = _refusal(config, model)
+    why = _refusal(config, getattr(accelerator, "parallelism_config", None))
     if why is not None:
         raise NotImplementedError(f"{type(model).__name__} under DeepSpeed: {why}")
     replaced = _gather_partitioned_gates(model)

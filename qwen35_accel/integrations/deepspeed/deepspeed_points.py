@@ -5,7 +5,7 @@ when it prepares a DeepSpeed run), and act only within the DeepSpeed guard's ran
 from __future__ import annotations
 
 from ..activation import DEEPSPEED, PatchPoint
-from . import engine_steps
+from . import engine_checkpoints, engine_steps
 
 DEEPSPEED_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(
@@ -25,5 +25,21 @@ DEEPSPEED_POINTS: tuple[PatchPoint, ...] = (
         "deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._get_norm_groups",
         engine_steps.zero3_norm_groups, DEEPSPEED,
         "ZeRO-3 during such a step: the gates' gradient norm one more norm group (as ZeRO-1/2 above)",
+    ),
+    PatchPoint(
+        "deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", engine_checkpoints.save_checkpoint, DEEPSPEED,
+        "DeepSpeed's own checkpoint of such a model (the Trainer's periodic checkpoints): the gates' fp32 values and "
+        "their optimizer's state in the model-states file under one client-state key (stock: the engine knows of "
+        "no parameter outside it)",
+    ),
+    PatchPoint(
+        "deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint", engine_checkpoints.load_checkpoint, DEEPSPEED,
+        "resuming such a checkpoint (the Trainer's resume_from_checkpoint): the gates' values and optimizer state "
+        "restored from that key, which the returned client state no longer carries",
+    ),
+    PatchPoint(
+        "deepspeed.runtime.engine", "DeepSpeedEngine._get_buffer_names", engine_checkpoints.get_buffer_names, DEEPSPEED,
+        "the names DeepSpeed's zero_to_fp32 restores from the model states: the gates listed too, so the consolidated "
+        "fp32 state dict has them",
     ),
 )

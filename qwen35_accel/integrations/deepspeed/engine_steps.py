@@ -14,10 +14,13 @@ from ...model.state import find_state
 from .gates import GATE_SQUARED_NORM, DeepSpeedGates
 
 
-def _gates_of(engine: Any) -> DeepSpeedGates | None:
+def gates_of_engine(engine: Any, trained_only: bool = True) -> DeepSpeedGates | None:
+    """The gates the plugin keeps outside `engine`'s model, or None; `trained_only`: None for frozen gates."""
     state = find_state(getattr(engine, "module", None))
     gates = state.deepspeed_gates if state is not None else None
-    return gates if gates is not None and gates.optimizer is not None else None
+    if gates is None or (trained_only and gates.optimizer is None):
+        return None
+    return gates
 
 
 def take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -27,7 +30,7 @@ def take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        gates = _gates_of(self)
+        gates = gates_of_engine(self)
         if gates is None:
             return original(self, *args, **kwargs)
         token = GATE_SQUARED_NORM.set(gates.reduce())

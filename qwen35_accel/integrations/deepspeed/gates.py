@@ -175,3 +175,30 @@ def take_gates_out(
     accepted = inspect.signature(cls.__init__).parameters
     gate_optimizer = cls([group for _, group in taken], **{k: v for k, v in defaults.items() if k in accepted and k != "params"})
     return DeepSpeedGates(holders=holders, optimizer=gate_optimizer, follows=[index for index, _ in taken])
+
+
+def gates_state(gates: DeepSpeedGates) -> dict[str, Any]:
+    """What a DeepSpeed checkpoint keeps of the gates: their fp32 values (CPU copies, in the holders'
+    order) and their optimizer's state dict (None when they are frozen)."""
+    return {
+        "values": [param.detach().to("cpu", torch.float32).clone() for param in gates.params],
+        "optimizer": gates.optimizer.state_dict() if gates.optimizer is not None else None,
+    }
+
+
+def load_gates_state(gates: DeepSpeedGates, saved: dict[str, Any], with_optimizer: bool = True) -> None:
+    """`gates_state`'s dict back into `gates`: values copied into the holders, and (`with_optimizer`) the
+    optimizer's state loaded.
+    Raises ValueError naming the counts or shapes where the checkpoint is of another model."""
+    params, values = gates.params, list(saved.get("values") or [])
+    shapes = [tuple(p.shape) for p in params], [tuple(v.shape) for v in values]
+    if shapes[0] != shapes[1]:
+        raise ValueError(
+            f"the DeepSpeed checkpoint's GatedDeltaNet gates ({len(values)} tensors, shapes {shapes[1][:4]}…) do not "
+            f"fit this model's ({len(params)} tensors, shapes {shapes[0][:4]}…): a checkpoint of another model"
+        )
+    with torch.no_grad():
+        for param, value in zip(params, values):
+            param.copy_(value)
+    if with_optimizer and gates.optimizer is not None and saved.get("optimizer") is not None:
+        gates.optimizer.load_state_dict(saved["optimizer"])

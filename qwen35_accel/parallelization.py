@@ -23,7 +23,7 @@ from .model.state import own_state
 from .parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpoint_targets,
-    describe_checkpoint_targets,
+    choose_activation_checkpointing,
     vision_tower_trains,
 )
 from .parallel.activation_offload import ActivationOffload
@@ -83,9 +83,10 @@ class Qwen3_5ModelParallelizer:
     fp32_compute_module_names: tuple[str, ...] = (HOLDER_NAME,)
 
     # The pipeline: every step `apply` runs, in order (each a method below, taking the `Preparation`).
+    # torch.compile comes last: it compiles the regions between the FSDP2 units' hooks and CP's collectives.
     pipeline: tuple[str, ...] = (
         "validate", "gate_holders", "expert_parallel", "tensor_parallel", "loss", "activation_checkpointing",
-        "fsdp2", "vision_placeholder", "context_parallel", "global_balance",
+        "fsdp2", "vision_placeholder", "context_parallel", "global_balance", "compile",
     )
 
     def apply(
@@ -100,10 +101,11 @@ class Qwen3_5ModelParallelizer:
         """Parallelize `model` over `device_mesh` and return it (the same object): the steps of
         `pipeline` in order — checks of every choice before any change, fp32 gate holders
         (`install_fp32_gate`), EP, head-parallel TP (build the optimizer afterwards), the tiled
-        loss, activation checkpointing (and offload), dtype-uniform FSDP2 units over `dp_shard_cp`
-        (HSDP with a `dp_replicate` dim of size > 1), the vision placeholder, CP (the model then
-        expects each rank's part of the batch: `qwen35_accel.context_parallel.shard_batch`), the
-        MoE router's global balance.
+        loss, activation checkpointing (ours or Transformers', never both; offload), dtype-uniform
+        FSDP2 units over `dp_shard_cp` (HSDP with a `dp_replicate` dim of size > 1), the vision
+        placeholder, CP (the model then expects each rank's part of the batch:
+        `qwen35_accel.context_parallel.shard_batch`), the MoE router's global balance, torch.compile
+        of each layer's regions.
 
         `options` (`ParallelOptions`, whose docstring gives each field's meaning; default: its
         defaults) holds every choice; keyword arguments of its field names build it, or change the
@@ -127,9 +129,7 @@ class Qwen3_5ModelParallelizer:
         logger.info(
             "qwen35_accel: %s parallelized on mesh %s (fp32 gate holders installed: %d, activation checkpointing: %s, "
             "cp: %d, tp: %d, ep: %d, tiled loss: %s)",
-            type(model).__name__, prep.fsdp_mesh, prep.converted,
-            (describe_checkpoint_targets(parts) + (", saved inputs in host memory" if opts.activation_offload else ""))
-            if opts.activation_checkpointing else "off",
+            type(model).__name__, prep.fsdp_mesh, prep.converted, prep.checkpointing,
             dims.cp_size, dims.tp_size, opts.ep, tiled_loss_mode(prep.base),
         )
         return model
@@ -183,10 +183,13 @@ class Qwen3_5ModelParallelizer:
             install_tiled_loss(prep.base, mode=prep.options.tiled_loss)
 
     def activation_checkpointing(self, prep: Preparation) -> None:
-        """Checkpointed decoder layers (and trained vision blocks), their saved inputs offloaded if chosen."""
-        if not prep.options.activation_checkpointing:
+        """Checkpointed decoder layers (and trained vision blocks), their saved inputs offloaded if chosen;
+        Transformers' checkpointing of the same modules turned off or taken over (`choose_activation_checkpointing`)."""
+        choice = choose_activation_checkpointing(prep.parts, prep.options.activation_checkpointing, prep.options.activation_offload)
+        prep.checkpointing = choice.line
+        if not choice.ours:
             return
-        offload = ActivationOffload() if prep.options.activation_offload else None
+        offload = ActivationOffload() if choice.offload else None
         apply_activation_checkpointing(checkpoint_targets(prep.parts), offload)
         if offload is not None:
             own_state(prep.base).activation_offload = offload
@@ -216,6 +219,13 @@ class Qwen3_5ModelParallelizer:
         """The MoE router's load-balancing sums over dp_shard × cp (`moe_balance="global"`)."""
         if prep.global_balance:
             install_global_balance(prep.base, prep.fsdp_mesh)
+
+    def compile(self, prep: Preparation) -> None:
+        """torch.compile of each decoder layer's regions between the units' hooks and CP's collectives."""
+        if prep.options.compile is not None:
+            from .parallel.regional_compile import compile_layer_regions
+
+            prep.compiled = compile_layer_regions(prep.parts, context_parallel=prep.dims.cp is not None, **prep.options.compile)
 
     def apply_fsdp_sharding(
         self,

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _parts(model):
-    """The located parts `_one_activation_checkpointing` takes (as the preparation hands them)."""
+    """The located parts `choose_activation_checkpointing` takes (as the pipeline hands them)."""
     from qwen35_accel.model.detect import FAMILIES, qwen35_parts
 
     return qwen35_parts(model, families=FAMILIES)
@@ -23,12 +23,21 @@ def _parts(model):
 
 def _ac_worker(rank: int, world: int) -> None:
     from qwen35_accel import PARALLELIZER
+    from qwen35_accel.parallel.prepared import prepared_state
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
     results = {}
     for ac in (False, True):
-        model = PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh, activation_checkpointing=ac)
+        model = build_tiny_causal_lm(seed=0)
+        if ac:  # Transformers' checkpointing on too (as a script may leave it): the pipeline turns it off on ours
+            model.gradient_checkpointing_enable()
+        model = PARALLELIZER.apply(model, mesh, activation_checkpointing=ac)
+        if ac:
+            assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+            assert prepared_state(model).checkpointing.startswith(
+                "qwen35_accel's (each decoder layer; Transformers' gradient checkpointing was on too and is turned off"
+            ), prepared_state(model).checkpointing
         saved = []  # tensors the forward keeps for backward
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
             loss = model(**random_batch(2, 32, model.config.vocab_size, seed=rank)).loss
@@ -191,12 +200,12 @@ def test_prepared_line_names_the_vision_blocks_and_no_block_is_checkpointed_twic
     """The plugin's choice between ours and Transformers' gradient checkpointing on a VLM: ours
     covers a trainable tower's blocks, so their Transformers flags go off with the decoder
     layers'; a frozen tower's blocks are not ours and keep theirs."""
-    from qwen35_accel.integrations.accelerate.preparation import _one_activation_checkpointing
+    from qwen35_accel.parallel.activation_checkpointing import choose_activation_checkpointing
     from qwen35_accel.testing.tiny import build_tiny_vlm
 
     model = build_tiny_vlm(seed=0)
     model.activation_checkpointing_enable()
-    line, _, offload = _one_activation_checkpointing(_parts(model), True)
+    line, _, offload = choose_activation_checkpointing(_parts(model), True)
     assert line.startswith("qwen35_accel's (each decoder layer and vision block; Transformers' gradient checkpointing was on "
                            "too and is turned off on them, so nothing is checkpointed twice)"), line
     assert not any(m.gradient_checkpointing for m in (*model.model.language_model.layers, *model.model.visual.blocks))
@@ -204,12 +213,12 @@ def test_prepared_line_names_the_vision_blocks_and_no_block_is_checkpointed_twic
     frozen = build_tiny_vlm(seed=0)
     frozen.model.visual.requires_grad_(False)
     frozen.activation_checkpointing_enable()
-    line, _, offload = _one_activation_checkpointing(_parts(frozen), True)
+    line, _, offload = choose_activation_checkpointing(_parts(frozen), True)
     assert line == ("qwen35_accel's (each decoder layer, not the frozen vision tower, which keeps no activations; Transformers' "
                     "gradient checkpointing was on too and is turned off on them, so nothing is checkpointed twice; "
                     "Transformers' gradient checkpointing on 2 vision blocks)"), line
     assert all(block.gradient_checkpointing for block in frozen.model.visual.blocks)
-    assert _one_activation_checkpointing(_parts(build_tiny_vlm(seed=0)), True) == ("qwen35_accel's (each decoder layer and vision block)", True, False)
+    assert choose_activation_checkpointing(_parts(build_tiny_vlm(seed=0)), True) == ("qwen35_accel's (each decoder layer and vision block)", True, False)
     assert not offload
 
 
@@ -218,28 +227,28 @@ def test_neither_offload_switch_is_dropped():
     (`gradient_checkpointing_kwargs`) carries over to ours where ours replaces Transformers'
     checkpointing, ours takes Transformers' over where it covers every decoder layer, and it stays
     Transformers' (its `save_on_cpu`) where it covers only some (`every_n_layers`)."""
-    from qwen35_accel.integrations.accelerate.preparation import _one_activation_checkpointing
+    from qwen35_accel.parallel.activation_checkpointing import choose_activation_checkpointing
     from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
-    line, ours, offload = _one_activation_checkpointing(_parts(build_tiny_causal_lm(seed=0)), True, accelerate_offload=True)
+    line, ours, offload = choose_activation_checkpointing(_parts(build_tiny_causal_lm(seed=0)), True, accelerate_offload=True)
     assert ours and offload and line == ("qwen35_accel's (each decoder layer; their saved inputs in host memory "
                                          "(Accelerate's fsdp_activation_checkpointing_offload))"), line
     for plugin_ac in (True, False):
         model = build_tiny_causal_lm(seed=0)
         model.activation_checkpointing_enable(offload=True)
-        line, ours, offload = _one_activation_checkpointing(_parts(model), plugin_ac)
+        line, ours, offload = choose_activation_checkpointing(_parts(model), plugin_ac)
         assert ours and offload and "their saved inputs in host memory (Transformers' offload)" in line, line
         assert ("is turned off on them" if plugin_ac else "in place of Transformers' gradient checkpointing with offload") in line
         assert not any(layer.gradient_checkpointing for layer in model.model.layers)
     model = build_tiny_causal_lm(seed=0, num_hidden_layers=4)
     model.activation_checkpointing_enable(offload=True, every_n_layers=2)
-    assert _one_activation_checkpointing(_parts(model), False) == (
+    assert choose_activation_checkpointing(_parts(model), False) == (
         "Transformers' gradient checkpointing (2 of 4 decoder layers; saved inputs in host memory (Transformers' offload))",
         False, False)
     model = build_tiny_causal_lm(seed=0)
     model.activation_checkpointing_enable()  # without offload: nothing claims host memory
-    assert _one_activation_checkpointing(_parts(model), False) == ("Transformers' gradient checkpointing (3 of 3 decoder layers)", False, False)
-    assert _one_activation_checkpointing(_parts(model), True)[1:] == (True, False)
+    assert choose_activation_checkpointing(_parts(model), False) == ("Transformers' gradient checkpointing (3 of 3 decoder layers)", False, False)
+    assert choose_activation_checkpointing(_parts(model), True)[1:] == (True, False)
 
 
 

@@ -66,13 +66,16 @@ def _regional_worker(rank: int, world: int, cp: int, checkpointing: bool) -> Non
     from qwen35_accel import PARALLELIZER
     from qwen35_accel.context_parallel import shard_batch
     from qwen35_accel.model.detect import qwen35_parts
-    from qwen35_accel.parallel.regional_compile import compile_layer_regions
+    from qwen35_accel.parallel.prepared import prepared_state
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, packed_documents, random_batch
 
     mesh = init_device_mesh("cpu", (1, world // cp, cp, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    eager, model = (PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh, activation_checkpointing=checkpointing) for _ in range(2))
-    regions = compile_layer_regions(qwen35_parts(model), context_parallel=cp > 1, backend="aot_eager")
+    # The pipeline's last step compiles the regions (`compile`, as a custom loop asks for it).
+    eager, model = (PARALLELIZER.apply(build_tiny_causal_lm(seed=0), mesh, activation_checkpointing=checkpointing, compile=compile)
+                    for compile in (None, {"backend": "aot_eager"}))
+    assert prepared_state(eager).compiled == ""
+    regions = prepared_state(model).compiled
     assert regions == ("norms, MLP, attention projections and output, GatedDeltaNet projections and gated output, "
                        "GatedDeltaNet chunk summaries and reads (torch functions)" if cp > 1
                        else "norms, MLP, attention, GatedDeltaNet projections and gated output, GatedDeltaNet conv and "

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -37,6 +38,89 @@ def describe_checkpoint_targets(parts: Qwen35Parts) -> str:
     if vision_tower_trains(parts):
         return "each decoder layer and vision block"
     return "each decoder layer, not the frozen vision tower, which keeps no activations"
+
+
+class CheckpointingChoice(NamedTuple):
+    """`choose_activation_checkpointing`'s answer: the prepared line's text, whether ours checkpoints
+    (`checkpoint_targets`), whether ours keeps their saved inputs in host memory."""
+
+    line: str
+    ours: bool
+    offload: bool
+
+
+def choose_activation_checkpointing(parts: Qwen35Parts, ours: bool, accelerate_offload: bool = False) -> CheckpointingChoice:
+    """Which checkpointing the decoder layers and vision blocks get (`PARALLELIZER.apply`'s
+    activation-checkpointing step: `ours` is its `activation_checkpointing` option,
+    `accelerate_offload` its `activation_offload`); never two at once on one module.
+
+    Transformers' gradient checkpointing (`gradient_checkpointing_enable()`, the Trainer's
+    `gradient_checkpointing` / `activation_checkpointing`, TRL's default) sets a
+    `gradient_checkpointing` flag on each `GradientCheckpointingLayer` (decoder layers and
+    vision blocks), which then checkpoints its own call while training. With the FSDP
+    plugin's `activation_checkpointing` the parallelizer checkpoints each decoder layer and,
+    when the tower trains, each vision block as well (`checkpoint_targets`); both at once (a
+    custom loop; the Trainer refuses both itself) would checkpoint a module twice, which a
+    reentrant inner checkpoint pays with a third forward. Ours wins, as the Trainer's own
+    rule has it ("use FSDP's activation checkpointing when using FSDP"): it is the one the
+    Accelerate config asked for, so the flags of the modules it checkpoints are turned off
+    (a frozen tower's flagged blocks, which ours leaves alone, keep Transformers').
+
+    Offload (the saved inputs in host memory) is never dropped: ours offloads with Accelerate's
+    `fsdp_activation_checkpointing_offload` (`accelerate_offload`), or when Transformers'
+    checkpointing it replaces was enabled with `offload=True` (`gradient_checkpointing_kwargs`).
+    Transformers' checkpointing with offload on every decoder layer is taken over by ours with
+    offload (the same layers; copies without a host sync, where Transformers' `save_on_cpu` syncs
+    on every copy and cannot run on a CPU-only torch: "pin_memory=True requires a CUDA …"); on
+    only some layers (`every_n_layers`) it stays Transformers', offload included. Returns the
+    prepared line's text, whether ours checkpoints and whether ours offloads.
+    """
+    layers = parts.decoder_layers
+    flagged = [layer for layer in layers if getattr(layer, "gradient_checkpointing", False) is True]
+    blocks = [block for block in parts.vision_blocks if getattr(block, "gradient_checkpointing", False) is True]
+    transformers_offload = any(_offloads(m) for m in (*flagged, *blocks))
+    taken_over = not ours and transformers_offload and len(flagged) == len(layers) > 0
+    if ours or taken_over:
+        targets = checkpoint_targets(parts)
+        turned_off = [m for m in (*flagged, *blocks) if any(m is t for t in targets)]
+        others = [block for block in blocks if not any(block is t for t in targets)]
+        carried = any(_offloads(m) for m in turned_off)  # Transformers' offload on what ours now checkpoints
+        offload = accelerate_offload or carried
+        for module in turned_off:
+            module.gradient_checkpointing = False
+        also = f"; Transformers' gradient checkpointing on {len(others)} vision blocks" if others else ""
+        what = describe_checkpoint_targets(parts)
+        if offload:
+            asked = [name for name, on in (("Accelerate's fsdp_activation_checkpointing_offload", accelerate_offload),
+                                           ("Transformers' offload", carried)) if on]
+            what += f"; their saved inputs in host memory ({' and '.join(asked)})"
+        if taken_over:
+            return CheckpointingChoice(f"qwen35_accel's ({what}; in place of Transformers' gradient checkpointing with offload{also})", True, offload)
+        if turned_off:
+            return CheckpointingChoice(
+                f"qwen35_accel's ({what}; Transformers' gradient checkpointing was on too and is turned off "
+                f"on them, so nothing is checkpointed twice{also})", True, offload
+            )
+        return CheckpointingChoice(f"qwen35_accel's ({what}{also})", True, offload)
+    also = f"; Transformers' gradient checkpointing on {len(blocks)} vision blocks" if blocks else ""
+    held = "; saved inputs in host memory (Transformers' offload)" if transformers_offload else ""
+    if flagged:
+        named = f", {len(blocks)} vision blocks" if blocks else ""
+        text = f"Transformers' gradient checkpointing ({len(flagged)} of {len(layers)} decoder layers{named}{held})"
+        return CheckpointingChoice(text, False, False)
+    return CheckpointingChoice(f"none{also}{held if blocks else ''}", False, False)
+
+
+def _offloads(module: nn.Module) -> bool:
+    """Whether Transformers' checkpointing of `module` keeps its saved inputs in host memory: its
+    checkpoint function (`_gradient_checkpointing_func`, a partial) runs under `save_on_cpu`, what
+    `activation_checkpointing_enable(offload=True)` (the Trainer's `gradient_checkpointing_kwargs=
+    {"offload": True}`) sets."""
+    function = getattr(module, "_gradient_checkpointing_func", None)
+    while isinstance(function, functools.partial):
+        function = function.func
+    code = getattr(function, "__code__", None)
+    return code is not None and "save_on_cpu" in code.co_names
 
 
 def apply_activation_checkpointing(layers: Iterable[nn.Module], offload: ActivationOffload | None = None) -> int:

@@ -10,6 +10,7 @@ its keyword arguments (the same names) still build one, so custom loops keep wor
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -44,7 +45,13 @@ class ParallelOptions:
     - `activation_checkpointing`: each decoder layer and, when the vision tower trains, each vision
       block (`checkpoint_targets`); `activation_offload` (needs it): their saved inputs live in host
       memory between forward and backward (`parallel.activation_offload`; the model's
-      `ModelState.activation_offload` counts what moved).
+      `ModelState.activation_offload` counts what moved). Transformers' gradient checkpointing, where
+      its flags are on (`gradient_checkpointing_enable()`), is turned off on the modules ours
+      checkpoints, and with offload on every decoder layer taken over by ours
+      (`choose_activation_checkpointing`): no module is checkpointed twice.
+    - `compile`: torch.compile's keyword arguments (None: eager): each decoder layer's regions between
+      the FSDP2 unit boundaries and CP's collectives are compiled, after sharding
+      (`parallel.regional_compile`).
     - `enable_fsdp2_prefetch`, `fsdp2_forward_prefetch_depth`, `fsdp2_backward_prefetch_depth`:
       explicit prefetch of the units in layer order, embedding to tail.
     - `frozen_multimodal_sharding`: a frozen vision tower "root" (in the root unit), "replicate" or
@@ -75,6 +82,7 @@ class ParallelOptions:
     activation_checkpointing: bool = False
     activation_offload: bool = False
     reshard_after_forward: bool | int | None = None
+    compile: Mapping[str, Any] | None = None
     enable_fsdp2_prefetch: bool = _knob(
         True,
         "explicit forward/backward prefetch of the units in layer order, embedding to tail",

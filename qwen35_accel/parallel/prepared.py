@@ -29,7 +29,9 @@ class Preparation:
     afterwards the prepared state every reader asks (`prepared_state`): the model as passed (`model`:
     a PEFT wrapper stays outside) and the Qwen3.5 model inside it (`base`), its parts (located once),
     the mesh's dims and the FSDP2 mesh, the options; what the steps made (`converted`: layers given
-    an fp32 gate holder; `expert_mesh` under EP); who prepared it (`source`)."""
+    an fp32 gate holder; `expert_mesh` under EP; `checkpointing`: which activation checkpointing runs,
+    in words; `compiled`: what torch.compile compiled, in words, "" for nothing); who prepared it
+    (`source`)."""
 
     model: nn.Module
     base: nn.Module
@@ -39,6 +41,8 @@ class Preparation:
     options: ParallelOptions
     converted: int = 0
     expert_mesh: ExpertMesh | None = None
+    checkpointing: str = "none"
+    compiled: str = ""
     # Who prepared it: "apply" (a custom loop), "accelerate" (the plugin's Accelerate preparation) or
     # "distributed_config" (Transformers' sharding at load, taken over).
     source: str = "apply"

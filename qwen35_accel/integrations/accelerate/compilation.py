@@ -4,9 +4,10 @@
 Accelerate compiles the model before its FSDP2 preparation (whole, an `OptimizedModule`, or each
 repeated block in place with `use_regional_compilation`), so FSDP2's hooks would run inside the
 compiled code and break the graph at every unit. The preparation undoes that (`take_over_compile`)
-and compiles the regions between unit boundaries once the model is sharded (`compile_prepared`,
-`parallel.regional_compile`), under every layout (with tp too: the regions compute on the head-parallel
-slices; the whole model under tp broke the graph 15 times in a step of the tiny model).
+and hands its keyword arguments to the pipeline's compile step (`ParallelOptions.compile`), which
+compiles the regions between unit boundaries once the model is sharded (`parallel.regional_compile`),
+under every layout (with tp too: the regions compute on the head-parallel slices; the whole model
+under tp broke the graph 15 times in a step of the tiny model).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from ...model.detect import Qwen35Parts
+    from ...parallel.prepared import Preparation
 
 
 def take_over_compile(accelerator: Any, model: nn.Module) -> tuple[nn.Module, dict[str, Any] | None]:
@@ -44,17 +45,13 @@ def take_over_compile(accelerator: Any, model: nn.Module) -> tuple[nn.Module, di
     return model, dynamo.to_kwargs()
 
 
-def compile_prepared(parts: Qwen35Parts, compile_kwargs: dict[str, Any] | None, *, context_parallel: bool,
-                     compiled_whole: bool = False) -> str:
-    """Compile the prepared model's regions (`parts`: its located parts) when `take_over_compile`
-    returned keyword arguments; returns what the prepared line says about compilation ("" when
-    nothing is compiled). `compiled_whole`: the script compiled the model itself (`_orig_mod`)."""
-    if compile_kwargs is not None:
-        from ...parallel.regional_compile import compile_layer_regions
-
-        regions = compile_layer_regions(parts, context_parallel=context_parallel, **compile_kwargs)
-        moe = ", the routers and routed experts" if parts.family == "moe" else ""
-        return (f", torch.compile (Accelerate's dynamo_config): per decoder layer, {regions}; eager: the FSDP2 units' "
+def compile_note(prep: Preparation, *, compiled_whole: bool = False) -> str:
+    """What the prepared line says about compilation ("" when nothing is compiled): the regions the
+    pipeline's compile step compiled (`take_over_compile`'s keyword arguments became its `compile`
+    option), or the whole model the script compiled itself (`compiled_whole`: `_orig_mod`)."""
+    if prep.compiled:
+        moe = ", the routers and routed experts" if prep.parts.family == "moe" else ""
+        return (f", torch.compile (Accelerate's dynamo_config): per decoder layer, {prep.compiled}; eager: the FSDP2 units' "
                 f"hooks, the gate holders, the loss head, CUDA kernels, packed rows' conv and rule, CP's collectives{moe}")
     if compiled_whole:  # the script compiled the model itself (no dynamo_config)
         return ", torch.compile: the whole model (Accelerate's dynamo_config; each FSDP2 unit's hooks break the graph)"

@@ -14,19 +14,16 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from .compilation import compile_prepared, take_over_compile
+from .compilation import compile_note, take_over_compile
 from ..notices import main_process_note
 from ..prepared_line import experts_note, hub_kernels_note, loss_in_effect, mixed_precision_note
 from ...settings import PluginSettings, check_same_on_every_rank
 from ..targets import is_plugin_fsdp2_module, prepared_by_accelerate, the_model
-
-if TYPE_CHECKING:
-    from ...model.detect import Qwen35Parts
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +132,6 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-    from ...model.detect import FAMILIES, qwen35_parts
     from ...ops.kernels import run_summary
     from ...parallel.options import ParallelOptions
     from ...parallel.tensor_parallel import check_no_cpu_offload
@@ -158,17 +154,15 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         check_no_unwrapped_trl_head(unwrap_qwen35(model))
     check_no_cpu_offload(plugin.cpu_offload, tp)  # before the meta move below
     loading = _RamEfficientLoading.begin(model) if plugin.cpu_ram_efficient_loading else None
-    parts = qwen35_parts(model, families=FAMILIES)  # module references: valid through sharding and the meta move
-    checkpointing, ours, activation_offload = _one_activation_checkpointing(
-        parts, bool(plugin.activation_checkpointing), bool(getattr(plugin, "activation_checkpointing_offload", False))
-    )
+    ours = bool(plugin.activation_checkpointing)
     options = ParallelOptions.from_settings(
         settings,
         mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
         offload_policy=plugin.cpu_offload,
         activation_checkpointing=ours,
-        activation_offload=activation_offload,
+        activation_offload=ours and bool(getattr(plugin, "activation_checkpointing_offload", False)),
         reshard_after_forward=plugin.reshard_after_forward,
+        compile=compile_kwargs,
     )
     PARALLELIZER.apply(model, mesh, "dp_shard_cp", options=options)
     if loading is not None:
@@ -182,15 +176,14 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     state = prepared_state(model)
     state.source, state.settings = "accelerate", settings  # the step hooks, evaluation and checkpoints act on it
     cp = mesh_dim_size(mesh, "cp")
-    compiled = compile_prepared(parts, compile_kwargs, context_parallel=cp > 1, compiled_whole=hasattr(model, "_orig_mod"))
     main_process_note(
         f"{type(getattr(model, '_orig_mod', model)).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={tp}, "
         f"{experts_note(model)}"
         f"{mixed_precision_note(accelerator.mixed_precision, options.mp_policy)}, "
-        f"activation checkpointing: {checkpointing}, loss: {loss_in_effect(model)}, "
+        f"activation checkpointing: {state.checkpointing}, loss: {loss_in_effect(model)}, "
         f"GatedDeltaNet kernels: {run_summary(accelerator.device)}{hub_kernels_note(model)}"
-        f"{compiled}"
+        f"{compile_note(state, compiled_whole=hasattr(model, '_orig_mod'))}"
     )
     return model
 
@@ -241,80 +234,6 @@ class _RamEfficientLoading:
             (model.get_submodule(parent) if parent else model).register_buffer(name, buffer.to(accelerator.device), persistent=False)
         if hasattr(model, "tie_weights"):
             model.tie_weights()
-
-
-def _one_activation_checkpointing(parts: Qwen35Parts, ours: bool, accelerate_offload: bool = False) -> tuple[str, bool, bool]:
-    """Which checkpointing the decoder layers and vision blocks get, for the prepared line;
-    never two at once on one module.
-
-    Transformers' gradient checkpointing (`gradient_checkpointing_enable()`, the Trainer's
-    `gradient_checkpointing` / `activation_checkpointing`, TRL's default) sets a
-    `gradient_checkpointing` flag on each `GradientCheckpointingLayer` (decoder layers and
-    vision blocks), which then checkpoints its own call while training. With the FSDP
-    plugin's `activation_checkpointing` the parallelizer checkpoints each decoder layer and,
-    when the tower trains, each vision block as well (`checkpoint_targets`); both at once (a
-    custom loop; the Trainer refuses both itself) would checkpoint a module twice, which a
-    reentrant inner checkpoint pays with a third forward. Ours wins, as the Trainer's own
-    rule has it ("use FSDP's activation checkpointing when using FSDP"): it is the one the
-    Accelerate config asked for, so the flags of the modules it checkpoints are turned off
-    (a frozen tower's flagged blocks, which ours leaves alone, keep Transformers').
-
-    Offload (the saved inputs in host memory) is never dropped: ours offloads with Accelerate's
-    `fsdp_activation_checkpointing_offload` (`accelerate_offload`), or when Transformers'
-    checkpointing it replaces was enabled with `offload=True` (`gradient_checkpointing_kwargs`).
-    Transformers' checkpointing with offload on every decoder layer is taken over by ours with
-    offload (the same layers; copies without a host sync, where Transformers' `save_on_cpu` syncs
-    on every copy and cannot run on a CPU-only torch: "pin_memory=True requires a CUDA …"); on
-    only some layers (`every_n_layers`) it stays Transformers', offload included. Returns the
-    line's text, whether ours checkpoints and whether ours offloads.
-    """
-    from ...parallel.activation_checkpointing import checkpoint_targets, describe_checkpoint_targets
-
-    layers = parts.decoder_layers
-    flagged = [layer for layer in layers if getattr(layer, "gradient_checkpointing", False) is True]
-    blocks = [block for block in parts.vision_blocks if getattr(block, "gradient_checkpointing", False) is True]
-    transformers_offload = any(_offloads(m) for m in (*flagged, *blocks))
-    taken_over = not ours and transformers_offload and len(flagged) == len(layers) > 0
-    if ours or taken_over:
-        targets = checkpoint_targets(parts)
-        turned_off = [m for m in (*flagged, *blocks) if any(m is t for t in targets)]
-        others = [block for block in blocks if not any(block is t for t in targets)]
-        carried = any(_offloads(m) for m in turned_off)  # Transformers' offload on what ours now checkpoints
-        offload = accelerate_offload or carried
-        for module in turned_off:
-            module.gradient_checkpointing = False
-        also = f"; Transformers' gradient checkpointing on {len(others)} vision blocks" if others else ""
-        what = describe_checkpoint_targets(parts)
-        if offload:
-            asked = [name for name, on in (("Accelerate's fsdp_activation_checkpointing_offload", accelerate_offload),
-                                           ("Transformers' offload", carried)) if on]
-            what += f"; their saved inputs in host memory ({' and '.join(asked)})"
-        if taken_over:
-            return f"qwen35_accel's ({what}; in place of Transformers' gradient checkpointing with offload{also})", True, offload
-        if turned_off:
-            return (
-                f"qwen35_accel's ({what}; Transformers' gradient checkpointing was on too and is turned off "
-                f"on them, so nothing is checkpointed twice{also})", True, offload
-            )
-        return f"qwen35_accel's ({what}{also})", True, offload
-    also = f"; Transformers' gradient checkpointing on {len(blocks)} vision blocks" if blocks else ""
-    held = "; saved inputs in host memory (Transformers' offload)" if transformers_offload else ""
-    if flagged:
-        named = f", {len(blocks)} vision blocks" if blocks else ""
-        return f"Transformers' gradient checkpointing ({len(flagged)} of {len(layers)} decoder layers{named}{held})", False, False
-    return f"none{also}{held if blocks else ''}", False, False
-
-
-def _offloads(module: nn.Module) -> bool:
-    """Whether Transformers' checkpointing of `module` keeps its saved inputs in host memory: its
-    checkpoint function (`_gradient_checkpointing_func`, a partial) runs under `save_on_cpu`, what
-    `activation_checkpointing_enable(offload=True)` (the Trainer's `gradient_checkpointing_kwargs=
-    {"offload": True}`) sets."""
-    function = getattr(module, "_gradient_checkpointing_func", None)
-    while isinstance(function, functools.partial):
-        function = function.func
-    code = getattr(function, "__code__", None)
-    return code is not None and "save_on_cpu" in code.co_names
 
 
 def fsdp2_prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:

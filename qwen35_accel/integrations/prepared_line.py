@@ -49,6 +49,20 @@ def mixed_precision_note(mixed_precision: str, policy: Any, environ: Mapping[str
     return note
 
 
+def replaced_forward(model: nn.Module) -> str | None:
+    """The function (`module.qualname`) of a forward set on `model` itself, which runs instead of its
+    class's and so computes the loss (Liger's `lce_forward` with the Trainer's `use_liger_kernel`), or
+    None. TRL's fused-head forward, which the plugin wraps and which keeps the plugin's loss paths, is
+    not such a forward."""
+    from .trl.fused_head import FUSED_HEAD_ATTR, is_trl_fused_forward
+
+    forward = model.__dict__.get("forward")
+    function = getattr(forward, "__func__", forward)
+    if function is None or getattr(function, FUSED_HEAD_ATTR, False) or is_trl_fused_forward(forward):
+        return None
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', type(function).__name__)}"
+
+
 def loss_in_effect(model: nn.Module) -> str:
     """The training loss's path, for the prepared line."""
     from ..model.detect import is_sequence_classifier, is_token_classifier, unwrap_qwen35
@@ -58,7 +72,12 @@ def loss_in_effect(model: nn.Module) -> str:
         return "the sequence classifier's (Transformers', on each row's last real token)"
     if is_token_classifier(model):
         return "the token classifier's (Transformers', over the step's labelled tokens)"
-    mode = tiled_loss_mode(unwrap_qwen35(model))
+    base = unwrap_qwen35(model)
+    replaced = replaced_forward(base)
+    if replaced is not None:
+        who = "Liger's fused linear cross-entropy (use_liger_kernel): " if replaced.startswith("liger_kernel.") else ""
+        return f"{who}the forward {replaced} set on the model computes it; the tiled loss does not run"
+    mode = tiled_loss_mode(base)
     if mode != "off":
         return f"tiled, {mode} (training forwards return no logits; QWEN35_ACCEL_TILED_LOSS=off for Transformers')"
     return "Transformers' (whole logits)"

@@ -221,6 +221,7 @@ def _resume_worker(rank: int, world: int, tmp: str) -> None:
     )
 
     from qwen35_accel import PARALLELIZER
+    from qwen35_accel.model.state import find_state
     from qwen35_accel.parallel.tensor_parallel import _state_dict_shapes_only, load_full_state_dict, register_optimizer_state_layout
     from qwen35_accel.testing.tiny import build_tiny_causal_lm, random_batch
 
@@ -228,7 +229,9 @@ def _resume_worker(rank: int, world: int, tmp: str) -> None:
         mesh = mesh_for(world, dp, 1, tp)
         model = PARALLELIZER.apply(build_tiny_causal_lm(seed=seed), mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        register_optimizer_state_layout(model, opt)
+        for _ in range(2):  # idempotent: hooks installed once (twice would convert the state twice)
+            register_optimizer_state_layout(model, opt)
+        assert list(find_state(model).tp_optimizers) == [opt]
         return model, opt, mesh["dp_shard"].get_local_rank()
 
     batches = [random_batch(4, 16, 96, seed=20 + step) for step in range(4)]

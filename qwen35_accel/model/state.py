@@ -14,6 +14,7 @@ steps, the packing hook's flag) stay on that module.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -41,6 +42,8 @@ class ModelState:
     - `restored_gates`: gate tensors whose fp32 values were read back from the checkpoint.
     - `hub_kernels`: what Transformers' kernelize had replaced when it was turned off (None: never on).
     - `deepspeed_gates`: the gates kept outside a DeepSpeed engine (`integrations/deepspeed/gates.py`).
+    - `tp_optimizers`: the optimizers whose state dicts keep this model's tensor-parallel parameters in
+      Transformers' layout (`register_optimizer_state_layout`; weak references).
     """
 
     preparation: Preparation | None = None
@@ -55,6 +58,7 @@ class ModelState:
     restored_gates: int = 0
     hub_kernels: list[str] | None = None
     deepspeed_gates: Any = None
+    tp_optimizers: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)
 
 
 def own_state(model: nn.Module) -> ModelState:

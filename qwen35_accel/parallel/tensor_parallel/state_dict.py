@@ -12,7 +12,6 @@ state dict. Every conversion is collective over the tp group: call it on every r
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -22,7 +21,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ...model.detect import unwrap_qwen35
 from ...model.fp32_gate import transformers_name
+from ...model.state import own_state
 from .splits import _Sliced, _split_entries
 
 
@@ -140,13 +141,13 @@ def register_optimizer_state_layout(model: nn.Module, optimizer: torch.optim.Opt
     DTensor) and keeps this rank's slice. Without it the tp ranks' slices share one key
     and torch.distributed.checkpoint (so Accelerate's and the Trainer's FSDP checkpoints)
     keeps one rank's. Both directions are collective over tp: call them on every rank.
-    Checkpoints become independent of the tp size. Idempotent; `optimizer` is the torch
-    optimizer (an Accelerate wrapper's `.optimizer`).
+    Checkpoints become independent of the tp size. Idempotent (the model's state keeps the
+    optimizers registered); `optimizer` is the torch optimizer (an Accelerate wrapper's
+    `.optimizer`). An optimizer of two models may be registered for each: each model's hooks
+    convert only its own split parameters.
     """
-    registered = getattr(optimizer, "_qwen35_tp_layout_of", None)
-    if registered is not None:
-        if registered() is not model:
-            raise ValueError("this optimizer's state layout is already registered for another model")
+    registered = own_state(unwrap_qwen35(model)).tp_optimizers
+    if optimizer in registered:
         return
 
     def convert(
@@ -179,7 +180,7 @@ def register_optimizer_state_layout(model: nn.Module, optimizer: torch.optim.Opt
 
     optimizer.register_state_dict_post_hook(to_transformers)
     optimizer.register_load_state_dict_pre_hook(to_local)
-    optimizer._qwen35_tp_layout_of = weakref.ref(model)
+    registered.add(optimizer)
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None, src: int = 0) -> None:

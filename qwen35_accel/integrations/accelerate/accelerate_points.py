@@ -80,8 +80,9 @@ ACCELERATE_POINTS: tuple[PatchPoint, ...] = (
         "accelerate.accelerator", "Accelerator._prepare_deepspeed", deepspeed_preparation.prepare_deepspeed, ACCELERATE,
         "a Qwen3.5-family model under DeepSpeed ZeRO-1/2/3: fp32 gate holders (the checkpoint's values after a bf16 "
         "load) kept out of the engine's cast, partitioning and optimizer, trained in fp32 beside it (DeepSpeed's "
-        "points below; zero.Init-partitioned gates gathered first); fp16 and ZeRO stage 0 refused on every rank with the reason "
-        "(stock: the gates are bf16 under bf16, and ZeRO-3 refuses fp32 ones)",
+        "points below; zero.Init-partitioned gates gathered first); fp16, ZeRO stage 0 and DeepSpeed's sequence "
+        "parallelism (Ulysses: each GatedDeltaNet would restart its state per rank; the FSDP2 path's CP named) refused "
+        "on every rank with the reason (stock: the gates are bf16 under bf16, and ZeRO-3 refuses fp32 ones)",
     ),
     PatchPoint(
         "accelerate.accelerator", "Accelerator.get_state_dict", deepspeed_preparation.get_state_dict, ACCELERATE,

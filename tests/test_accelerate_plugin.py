@@ -93,8 +93,10 @@ def test_tiled_loss_setting_takes_its_modes_and_its_former_boolean_spellings():
 def _all_active_but_deepspeeds_waiting(points: list[dict]) -> bool:
     """Every point active, DeepSpeed's active or waiting for their modules (Accelerate imports them for a
     DeepSpeed run; absent without the deepspeed extra)."""
+    from qwen35_accel.integrations.deepspeed.deepspeed_points import DEEPSPEED_POINTS
+
     deepspeed = [p for p in points if p["target"].startswith("deepspeed.")]
-    return len(deepspeed) == 3 and all(p["active"] or p["deferred"] for p in deepspeed) and all(
+    return len(deepspeed) == len(DEEPSPEED_POINTS) == 6 and all(p["active"] or p["deferred"] for p in deepspeed) and all(
         p["active"] for p in points if p not in deepspeed
     )
 

@@ -149,7 +149,9 @@ def test_bf16_zero_trains_the_gates_in_fp32_from_a_checkpoint_as_shipped(launche
     first bitwise the checkpoint's fp32 values (the bf16 load rounded them; they are read back); they
     train (fp32 steps of ~1e-5 that bf16 would round away) and are saved fp32; a bf16 load of the saved
     checkpoint in one process gets those fp32 values back where the plugin holds the gates (its fp32
-    holders read them from the file, as at any prepare)."""
+    holders read them from the file, as at any prepare). A reference model TRL hands to DeepSpeed itself
+    (`prepare_deepspeed`: a stage-0 engine under ZeRO-2, ZeRO-3 under ZeRO-3) reads the checkpoint's fp32 gates
+    too (stock: bf16)."""
     from transformers import AutoModelForCausalLM
 
     from qwen35_accel import install_fp32_gate
@@ -163,6 +165,9 @@ def test_bf16_zero_trains_the_gates_in_fp32_from_a_checkpoint_as_shipped(launche
     assert len(record["seen"]) == 4 and all(dtype == "torch.float32" for step in record["seen"] for dtype, _ in step.values())
     for name in GATES:
         assert torch.equal(record["seen"][0][name][1], shipped[first + name]), name
+        # TRL's own DeepSpeed preparation of a reference model (DPOTrainer's prepare_deepspeed): fp32, the checkpoint's
+        assert record["reference"][name][0] == "torch.float32", record["reference"][name][0]
+        assert torch.equal(record["reference"][name][1], shipped[first + name]), name
     assert all(torch.isfinite(torch.tensor(record["losses"]))) and record["norms"][0] > 0
     saved = _named(load_file(run.out / "model.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(run.out, dtype=torch.bfloat16)

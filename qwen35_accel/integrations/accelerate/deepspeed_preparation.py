@@ -58,20 +58,32 @@ def _gather_partitioned_gates(model: nn.Module) -> dict[int, nn.Parameter]:
     return replaced
 
 
+def keep_gates_outside(model: nn.Module) -> tuple[list[nn.Module], dict[int, nn.Parameter]]:
+    """Before `deepspeed.initialize`: each GatedDeltaNet's gates in an fp32 holder (zero.Init-partitioned
+    ones gathered first; the checkpoint's fp32 values read back after a bf16 load), the holders hidden
+    from the module tree DeepSpeed walks (`hide_holders`); returns the holders (those hidden already
+    included) and id(partitioned original) -> its replacement."""
+    from ...model.fp32_gate import install_fp32_gate
+    from ...model.gate_holder import hidden_holder
+    from ..deepspeed.gates import hide_holders
+
+    replaced = _gather_partitioned_gates(model)
+    install_fp32_gate(model)  # the checkpoint's fp32 values read back where the load rounded them
+    note_restored_gates(model)
+    hide_holders(model)
+    return [holder for module in model.modules() if (holder := hidden_holder(module)) is not None], replaced
+
+
 def _take_gates_out(accelerator: Any, model: nn.Module, args: tuple[Any, ...]) -> Any:
     from ...model.detect import unwrap_qwen35
-    from ...model.fp32_gate import install_fp32_gate
     from ...model.state import own_state
-    from ..deepspeed.gates import DeepSpeedGates, hide_holders, take_gates_out
+    from ..deepspeed.gates import DeepSpeedGates, take_gates_out
 
     config = accelerator.deepspeed_plugin.deepspeed_config
     why = _refusal(config, getattr(accelerator, "parallelism_config", None))
     if why is not None:
         raise NotImplementedError(f"{type(model).__name__} under DeepSpeed: {why}")
-    replaced = _gather_partitioned_gates(model)
-    install_fp32_gate(model)  # the checkpoint's fp32 values read back where the load rounded them
-    note_restored_gates(model)
-    holders = hide_holders(model)
+    holders, replaced = keep_gates_outside(model)
     optimizer = next((a for a in args if isinstance(a, torch.optim.Optimizer) or type(a).__name__ == "DummyOptim"), None)
     trainable = any(p.requires_grad for holder in holders for p in holder.parameters())
     if trainable and optimizer is not None:

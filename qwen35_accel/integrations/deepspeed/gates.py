@@ -119,6 +119,18 @@ def hide_holders(model: nn.Module) -> list[nn.Module]:
     return holders
 
 
+def show_holders(model: nn.Module) -> int:
+    """`hide_holders` undone: each hidden holder back in the module tree; returns how many."""
+    shown = 0
+    for module in model.modules():
+        holder = module.__dict__.get(HOLDER_NAME)
+        if isinstance(holder, nn.Module):
+            del module.__dict__[HOLDER_NAME]
+            module._modules[HOLDER_NAME] = holder
+            shown += 1
+    return shown
+
+
 def _groups_without(groups: list[dict[str, Any]], gates: dict[int, nn.Parameter]) -> tuple[list[dict[str, Any]], list[tuple[int, dict[str, Any]]]]:
     """`groups` with the gate parameters taken out, and (index, options with the holders' parameters) for
     each group that held some (`gates`: id of a parameter the groups may hold -> the holder's)."""

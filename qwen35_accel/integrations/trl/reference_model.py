@@ -1,7 +1,8 @@
-"""TRL's reference model (`prepare_fsdp` as DPO, KTO, GRPO and RLOO import it): a dense Qwen3.5
-reference under FSDP2 is prepared as the policy is (`accelerate/several_models.prepare_extra_model`:
-our units, fp32 gate holders, the accelerator's cp/tp layers) instead of TRL's one `fully_shard` on
-the whole model."""
+"""TRL's reference model (`prepare_fsdp` and `prepare_deepspeed` as DPO, KTO, GRPO and RLOO import
+them): a dense Qwen3.5 reference under FSDP2 is prepared as the policy is
+(`accelerate/several_models.prepare_extra_model`: our units, fp32 gate holders, the accelerator's cp/tp
+layers) instead of TRL's one `fully_shard` on the whole model; a Qwen3.5-family model TRL hands to
+DeepSpeed itself keeps its gates fp32 (DeepSpeed casts every parameter it sees to bf16 in bf16 mode)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from ..accelerate.several_models import prepare_extra_model
-from ..targets import is_dense_qwen35_module, prepared_by_accelerate
+from ..targets import is_dense_qwen35_module, is_qwen35_module, prepared_by_accelerate
 from .trainers import trl_under_cp_error
 
 
@@ -39,6 +40,39 @@ def trl_prepare_fsdp(trainer: str) -> Callable[[Callable[..., Any]], Callable[..
                 model.eval()
                 return model
             return original(model, accelerator)
+
+        return wrapper
+
+    return wrap
+
+
+def trl_prepare_deepspeed(trainer: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The wrapper of TRL's `prepare_deepspeed(model, accelerator)` as `trainer`'s module imports it (its
+    reference model, reward models, DPO's and KTO's precompute engine): a Qwen3.5-family model's gates go
+    into fp32 holders hidden from the inference engine DeepSpeed builds (the checkpoint's values after a
+    bf16 load; zero.Init-partitioned ones gathered), read in fp32 by every forward, never stepped. Below
+    ZeRO-3 TRL's engine is stage 0 (no partitioning, no optimizer): the holders then return to the module
+    tree, so a model prepared again later (DPO's precompute engine is the policy itself) is prepared as any."""
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(model: nn.Module, accelerator: Any) -> Any:
+            if model is None or not is_qwen35_module(model):
+                return original(model, accelerator)
+            from ...model.detect import unwrap_qwen35
+            from ...model.state import own_state
+            from ..accelerate.deepspeed_preparation import keep_gates_outside
+            from ..deepspeed.gates import DeepSpeedGates, show_holders
+
+            holders, _ = keep_gates_outside(model)
+            gates = DeepSpeedGates(holders=holders, optimizer=None, follows=[])
+            engine = original(model, accelerator)
+            gates.attach(engine)
+            if engine.zero_optimization_stage() == 3:
+                own_state(unwrap_qwen35(model)).deepspeed_gates = gates
+            else:
+                show_holders(model)
+            return engine
 
         return wrapper
 

@@ -7,6 +7,10 @@ from __future__ import annotations
 from ..activation import TRL, PatchPoint
 from . import fused_head, reference_model, sampling, whole_rows
 
+# The trainers with a reference model TRL prepares itself (`prepare_fsdp`, `prepare_deepspeed`).
+_REFERENCE_TRAINERS = (("dpo_trainer", "DPOTrainer"), ("grpo_trainer", "GRPOTrainer"), ("rloo_trainer", "RLOOTrainer"),
+                       ("kto_trainer", "KTOTrainer"))
+
 TRL_POINTS: tuple[PatchPoint, ...] = (
     *(
         PatchPoint(
@@ -14,8 +18,15 @@ TRL_POINTS: tuple[PatchPoint, ...] = (
             f"{trainer}'s reference model, dense Qwen3.5 under FSDP2: our units and CP/TP layers (stock TRL: one "
             "fully_shard on the whole model)",
         )
-        for module, trainer in (("dpo_trainer", "DPOTrainer"), ("grpo_trainer", "GRPOTrainer"),
-                                ("rloo_trainer", "RLOOTrainer"), ("kto_trainer", "KTOTrainer"))
+        for module, trainer in _REFERENCE_TRAINERS
+    ),
+    *(
+        PatchPoint(
+            f"trl.trainer.{module}", "prepare_deepspeed", reference_model.trl_prepare_deepspeed(trainer), TRL,
+            f"{trainer}'s reference (and reward, precompute) model under DeepSpeed, Qwen3.5 family: its gates in "
+            "fp32 holders the inference engine never casts, read in fp32 (stock TRL: bf16 gates under bf16)",
+        )
+        for module, trainer in _REFERENCE_TRAINERS
     ),
     *(
         PatchPoint(

@@ -103,3 +103,13 @@ def test_the_gates_checkpoint_state_round_trips_and_refuses_another_models():
     other_gates = take_gates_out(hide_holders(other), optimizer, None)
     with pytest.raises(ValueError, match=r"\(4 tensors, .* this model's \(\d+ tensors"):
         load_gates_state(other_gates, saved)
+
+
+def test_an_optimizer_built_after_the_gates_left_the_tree_is_refused_naming_why():
+    """Gates hidden before the optimizer was built (a DeepSpeed engine made of the model earlier) are not
+    in it: refused at the surgery with the cause, rather than training every weight but the gates."""
+    model = build_tiny_causal_lm(seed=0)
+    install_fp32_gate(model)
+    holders = hide_holders(model)
+    with pytest.raises(ValueError, match="holds none of the GatedDeltaNet gates.*precompute_ref_log_probs under ZeRO-3"):
+        take_gates_out(holders, torch.optim.AdamW(model.parameters()), None)

@@ -183,7 +183,12 @@ def take_gates_out(
         kept, taken = _groups_without(groups, gates)
         optimizer.params = kept if isinstance(params[0], dict) else kept[0]["params"]
     if not taken:
-        raise ValueError("the optimizer holds none of the GatedDeltaNet gates: they would not train")
+        raise ValueError(
+            "the optimizer holds none of the GatedDeltaNet gates: they would not train. Pass it every parameter that "
+            "trains; an optimizer built after the gates left the module tree (a DeepSpeed engine made of this model "
+            "before, e.g. TRL's precompute_ref_log_probs under ZeRO-3, which builds one from the policy itself) does "
+            "not see them: build the optimizer first, or precompute without ZeRO-3"
+        )
     accepted = inspect.signature(cls.__init__).parameters
     gate_optimizer = cls([group for _, group in taken], **{k: v for k, v in defaults.items() if k in accepted and k != "params"})
     return DeepSpeedGates(holders=holders, optimizer=gate_optimizer, follows=[index for index, _ in taken])

@@ -113,3 +113,16 @@ def test_an_optimizer_built_after_the_gates_left_the_tree_is_refused_naming_why(
     holders = hide_holders(model)
     with pytest.raises(ValueError, match="holds none of the GatedDeltaNet gates.*precompute_ref_log_probs under ZeRO-3"):
         take_gates_out(holders, torch.optim.AdamW(model.parameters()), None)
+
+
+def test_hiding_twice_finds_the_same_holders_and_showing_puts_them_back():
+    """`hide_holders` again (a model TRL's DeepSpeed engine hid before) returns the hidden holders; `show_holders`
+    (after TRL's stage-0 engine) returns them to the module tree, parameter names as before."""
+    from qwen35_accel.integrations.deepspeed.gates import show_holders
+
+    model = build_tiny_causal_lm(seed=0)
+    install_fp32_gate(model)
+    names = [name for name, _ in model.named_parameters()]
+    holders = hide_holders(model)
+    assert hide_holders(model) == holders and len(holders) == 2
+    assert show_holders(model) == 2 and [name for name, _ in model.named_parameters()] == names

@@ -64,14 +64,12 @@ def keep_gates_outside(model: nn.Module) -> tuple[list[nn.Module], dict[int, nn.
     from the module tree DeepSpeed walks (`hide_holders`); returns the holders (those hidden already
     included) and id(partitioned original) -> its replacement."""
     from ...model.fp32_gate import install_fp32_gate
-    from ...model.gate_holder import hidden_holder
     from ..deepspeed.gates import hide_holders
 
     replaced = _gather_partitioned_gates(model)
     install_fp32_gate(model)  # the checkpoint's fp32 values read back where the load rounded them
     note_restored_gates(model)
-    hide_holders(model)
-    return [holder for module in model.modules() if (holder := hidden_holder(module)) is not None], replaced
+    return hide_holders(model), replaced
 
 
 def _take_gates_out(accelerator: Any, model: nn.Module, args: tuple[Any, ...]) -> Any:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...model.gate_holder import HOLDER_NAME
+from ...model.gate_holder import HOLDER_NAME, hidden_holder
 
 # The gates' squared gradient norm during one DeepSpeed optimizer step, for the norm patch points.
 GATE_SQUARED_NORM: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("qwen35_gate_sq_norm", default=None)
@@ -108,13 +108,13 @@ def _unflat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 def hide_holders(model: nn.Module) -> list[nn.Module]:
     """Each GatedDeltaNet's fp32 holder moved out of the module tree into a plain attribute of the
-    same name (its forward and state-dict hooks find it there); returns the holders."""
+    same name (its forward and state-dict hooks find it there, `hidden_holder`); returns every hidden
+    holder of `model`, those hidden by an earlier call included."""
     holders = []
     for module in model.modules():
-        holder = module._modules.get(HOLDER_NAME)
-        if holder is not None:
-            del module._modules[HOLDER_NAME]
+        if (holder := module._modules.pop(HOLDER_NAME, None)) is not None:
             module.__dict__[HOLDER_NAME] = holder
+        if (holder := hidden_holder(module)) is not None:
             holders.append(holder)
     return holders
 
@@ -123,8 +123,7 @@ def show_holders(model: nn.Module) -> int:
     """`hide_holders` undone: each hidden holder back in the module tree; returns how many."""
     shown = 0
     for module in model.modules():
-        holder = module.__dict__.get(HOLDER_NAME)
-        if isinstance(holder, nn.Module):
+        if (holder := hidden_holder(module)) is not None:
             del module.__dict__[HOLDER_NAME]
             module._modules[HOLDER_NAME] = holder
             shown += 1

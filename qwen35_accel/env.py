@@ -24,7 +24,7 @@ def env() -> dict[str, Any]:
             versions[dist_name] = None
     entry_points = [ep.value for ep in md.entry_points(group="torch.backends") if ep.name == "qwen35_accel"]
     try:
-        settings: dict[str, Any] | str = PluginSettings.from_env().__dict__
+        settings: dict[str, Any] | str = PluginSettings.from_env().knob_values()
     except ValueError as exc:
         settings = f"invalid: {exc}"
     import accelerate  # noqa: F401  (the autoload patches on this import)

@@ -1,8 +1,9 @@
 """The parallelizer of Qwen3.5 models (dense and MoE): surgery, EP, TP, AC, FSDP2, CP, in that order.
 
-`PARALLELIZER.apply(model, device_mesh, options=…)` is the one entry point; the Accelerate
-integration calls it with the plugin's settings (`ParallelOptions.from_settings`), custom loops
-call it directly (keyword arguments build the options). The model's parts are located once here
+`PARALLELIZER.apply(model, device_mesh, options=…)` is the one entry point; the Accelerate,
+`distributed_config` and `plan` integrations call it with the one configuration
+(`settings=PluginSettings.from_env().with_parallel(…)`), custom loops with options (keyword
+arguments build them). The model's parts are located once here
 and handed to every step.
 """
 
@@ -49,7 +50,7 @@ from .parallel.fsdp import (
 )
 from .parallel.mesh import ParallelDims, mesh_device, mesh_dim_names, mesh_dim_size
 from .parallel.expert_parallel.router import check_global_balance, check_no_expert_adapters, install_global_balance
-from .parallel.prepared import Preparation, attach_preparation
+from .parallel.prepared import SOURCES, Preparation, attach_preparation
 from .parallel.options import (
     FP32_HOLDER_UNITS_CHOICES,
     FROZEN_MULTIMODAL_SHARDING_CHOICES,
@@ -67,6 +68,7 @@ from .parallel.tensor_parallel import (
 from .parallel.tensor_parallel import check_divisible as check_tp_divisible
 from .parallel.tensor_parallel import check_no_cpu_offload
 from .parallel.vision_placeholder import install_vision_placeholder, vision_tower_has_units
+from .settings import PluginSettings
 
 # mesh_dim_names / mesh_dim_size / mesh_device: re-exported from parallel.mesh for existing callers.
 __all__ = [
@@ -96,6 +98,8 @@ class Qwen3_5ModelParallelizer:
         dp_shard_cp_mesh_name: str = "dp_shard_cp",
         *,
         options: ParallelOptions | None = None,
+        settings: PluginSettings | None = None,
+        source: str = "apply",
         **keywords: Any,
     ) -> nn.Module:
         """Parallelize `model` over `device_mesh` and return it (the same object): the steps of
@@ -109,7 +113,10 @@ class Qwen3_5ModelParallelizer:
 
         `options` (`ParallelOptions`, whose docstring gives each field's meaning; default: its
         defaults) holds every choice; keyword arguments of its field names build it, or change the
-        given one's fields (TypeError for a name it lacks).
+        given one's fields (TypeError for a name it lacks). `settings` (the one configuration,
+        `PluginSettings`, what the integrations pass) instead: its `parallel` are the options, and
+        the prepared state keeps it whole; without it the plugin's own knobs are at their defaults.
+        `source`: who prepares (`parallel.prepared.SOURCES`; the integrations pass theirs).
 
         Preconditions: `torch.distributed` is initialised; `model` is a Qwen3.5 model, dense or MoE
         (TypeError otherwise), possibly inside a PEFT LoRA wrapper (which stays the outer module and
@@ -117,12 +124,17 @@ class Qwen3_5ModelParallelizer:
         or flattened) named `dp_shard_cp_mesh_name` (ValueError otherwise); the `dp_replicate`, `cp`
         and `tp` dims are optional (absent = size 1).
         """
-        opts = dataclasses.replace(options or ParallelOptions(), **keywords).checked()
+        if options is not None and settings is not None:
+            raise TypeError("pass options or settings (whose parallel are the options), not both")
+        check_choice("source", source, SOURCES)
+        settings = settings or PluginSettings(parallel=options or ParallelOptions())
+        opts = dataclasses.replace(settings.parallel, **keywords).checked()
         parts = qwen35_parts(model, families=FAMILIES)  # TypeError for anything but Qwen3.5; located once, handed down
         if isinstance(model, FSDPModule):
             raise ValueError(f"{type(model).__name__} is already sharded by FSDP2; apply the parallelizer once, to the unsharded model.")
         dims = ParallelDims(device_mesh, opts.dp_replicate_mesh_name, dp_shard_cp_mesh_name, opts.cp_mesh_name, opts.tp_mesh_name)
-        prep = Preparation(model=model, base=unwrap_qwen35(model), parts=parts, dims=dims, fsdp_mesh=dims.fsdp, options=opts)
+        prep = Preparation(model=model, base=unwrap_qwen35(model), parts=parts, dims=dims, fsdp_mesh=dims.fsdp,
+                           settings=dataclasses.replace(settings, parallel=opts), source=source)
         for step in self.pipeline:
             getattr(self, step)(prep)
         attach_preparation(prep)  # what every later reader asks (`parallel.prepared.prepared_state`)
@@ -185,7 +197,8 @@ class Qwen3_5ModelParallelizer:
     def activation_checkpointing(self, prep: Preparation) -> None:
         """Checkpointed decoder layers (and trained vision blocks), their saved inputs offloaded if chosen;
         Transformers' checkpointing of the same modules turned off or taken over (`choose_activation_checkpointing`)."""
-        choice = choose_activation_checkpointing(prep.parts, prep.options.activation_checkpointing, prep.options.activation_offload)
+        asked_by = "Accelerate's fsdp_activation_checkpointing_offload" if prep.source == "accelerate" else "activation_offload=True"
+        choice = choose_activation_checkpointing(prep.parts, prep.options.activation_checkpointing, prep.options.activation_offload, asked_by)
         prep.checkpointing = choice.line
         if not choice.ours:
             return

@@ -26,10 +26,10 @@ def test_settings_defaults_env_and_errors():
 
     assert PluginSettings.from_env({}) == PluginSettings()
     s = PluginSettings.from_env({"QWEN35_ACCEL": "0", "QWEN35_ACCEL_FSDP2_BACKWARD_PREFETCH_DEPTH": "3"})
-    assert not s.enabled and s.fsdp2_backward_prefetch_depth == 3
+    assert not s.enabled and s.parallel.fsdp2_backward_prefetch_depth == 3
     with pytest.raises(ValueError, match=r"QWEN35_ACCEL_FROZEN_MULTIMODAL_SHARDING='all': expected one of \['root', 'replicate', 'shard'\]"):
         PluginSettings.from_env({"QWEN35_ACCEL_FROZEN_MULTIMODAL_SHARDING": "all"})
-    assert PluginSettings.from_env({"QWEN35_ACCEL_CP_STATE_EXCHANGE": "Scan"}).cp_state_exchange == "scan"
+    assert PluginSettings.from_env({"QWEN35_ACCEL_CP_STATE_EXCHANGE": "Scan"}).parallel.cp_state_exchange == "scan"
     with pytest.raises(ValueError, match=r"QWEN35_ACCEL_CP_STATE_EXCHANGE='ring': expected one of \['auto', 'allgather', 'scan'\]"):
         PluginSettings.from_env({"QWEN35_ACCEL_CP_STATE_EXCHANGE": "ring"})
     with pytest.raises(ValueError, match=r"QWEN35_ACCEL_CPU_FSDP='maybe': expected one of \[.*'0'.*'true'"):
@@ -66,9 +66,9 @@ def test_every_variable_the_package_names_is_a_declared_setting():
     from pathlib import Path
 
     import qwen35_accel
-    from qwen35_accel.settings import PluginSettings
+    from qwen35_accel.settings import knobs
 
-    declared = {PluginSettings.env_name(field.name) for field in dataclasses.fields(PluginSettings)}
+    declared = {knob.variable for knob in knobs()}
     named = {
         name
         for path in Path(qwen35_accel.__file__).parent.rglob("*.py")
@@ -82,10 +82,10 @@ def test_tiled_loss_setting_takes_its_modes_and_its_former_boolean_spellings():
 
     from qwen35_accel.parallel.tiled_head import DEFAULT_LOSS_MODE
 
-    assert PluginSettings().tiled_loss == DEFAULT_LOSS_MODE == "recompute"
+    assert PluginSettings().parallel.tiled_loss == DEFAULT_LOSS_MODE == "recompute"
     spellings = {"1": "recompute", "true": "recompute", "0": "off", "False": "off", "off": "off", "Hold": "hold"}
     for raw, mode in spellings.items():
-        assert PluginSettings.from_env({"QWEN35_ACCEL_TILED_LOSS": raw}).tiled_loss == mode, raw
+        assert PluginSettings.from_env({"QWEN35_ACCEL_TILED_LOSS": raw}).parallel.tiled_loss == mode, raw
     with pytest.raises(ValueError, match=r"QWEN35_ACCEL_TILED_LOSS='keep': expected one of \['off', 'recompute', 'hold'\]"):
         PluginSettings.from_env({"QWEN35_ACCEL_TILED_LOSS": "keep"})
 

@@ -230,9 +230,13 @@ def test_neither_offload_switch_is_dropped():
     from qwen35_accel.parallel.activation_checkpointing import choose_activation_checkpointing
     from qwen35_accel.testing.tiny import build_tiny_causal_lm
 
-    line, ours, offload = choose_activation_checkpointing(_parts(build_tiny_causal_lm(seed=0)), True, accelerate_offload=True)
+    accelerates = "Accelerate's fsdp_activation_checkpointing_offload"
+    line, ours, offload = choose_activation_checkpointing(_parts(build_tiny_causal_lm(seed=0)), True, True, accelerates)
     assert ours and offload and line == ("qwen35_accel's (each decoder layer; their saved inputs in host memory "
                                          "(Accelerate's fsdp_activation_checkpointing_offload))"), line
+    # A custom loop's option is credited as the option, not as Accelerate's config.
+    line, ours, offload = choose_activation_checkpointing(_parts(build_tiny_causal_lm(seed=0)), True, offload=True)
+    assert ours and offload and line.endswith("(activation_offload=True))"), line
     for plugin_ac in (True, False):
         model = build_tiny_causal_lm(seed=0)
         model.activation_checkpointing_enable(offload=True)

@@ -145,20 +145,29 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_each_knob_is_declared_once_and_the_options_table_gives_every_declared_default():
-    """The parallelizer's knobs are declared once, in `ParallelOptions` (default and help); the plugin's
-    settings take both from there; docs/custom_loops.md's table of `PARALLELIZER.apply`'s options gives
-    every field with its declared default."""
+    """Every knob is declared once (default, help, choices): the parallelizer's in `ParallelOptions`, which
+    the one configuration holds as its `parallel` branch, the plugin's own in `PluginSettings`; the code
+    acting on a choice uses the declared choices; docs/custom_loops.md's table of `PARALLELIZER.apply`'s
+    options gives every field with its declared default."""
     import dataclasses
 
+    from qwen35_accel.parallel.context_parallel.state_exchange import EXCHANGES
+    from qwen35_accel.parallel.expert_parallel.router import BALANCE_CHOICES
     from qwen35_accel.parallel.options import ParallelOptions
-    from qwen35_accel.settings import PluginSettings
+    from qwen35_accel.parallel.tiled_head import LOSS_MODES
+    from qwen35_accel.settings import PluginSettings, knobs
 
-    settings = PluginSettings.__dataclass_fields__
-    knobs = [f for f in dataclasses.fields(ParallelOptions) if "help" in f.metadata]
-    assert len(knobs) >= 10
-    for field in knobs:
-        setting = settings[field.metadata["setting"] or field.name]
-        assert setting.default == field.default and setting.metadata["help"] is field.metadata["help"], field.name
+    declared = {f for cls in (PluginSettings, ParallelOptions) for f in dataclasses.fields(cls) if "help" in f.metadata}
+    assert {k.field for k in knobs()} == declared and len({k.variable for k in knobs()}) == len(declared) >= 19
+    assert not {f.name for f in dataclasses.fields(PluginSettings)} & {f.name for f in dataclasses.fields(ParallelOptions)}
+    assert PluginSettings().parallel == ParallelOptions()  # the environment's defaults are the declared ones
+    choices = {k.field.name: k.field.metadata["choices"] for k in knobs() if k.field.metadata["choices"]}
+    assert choices["cp_state_exchange"] is EXCHANGES and choices["moe_balance"] is BALANCE_CHOICES
+    assert choices["tiled_loss"] == ("off", *LOSS_MODES)
+    for name, values in choices.items():  # each choice knob's declared choices are what its check takes
+        with pytest.raises(ValueError, match=r"expected one of"):
+            PluginSettings.from_env({PluginSettings.env_name(name): "neither"})
+        assert all(PluginSettings.from_env({PluginSettings.env_name(name): v}) for v in values)
     text = (ROOT / "docs" / "custom_loops.md").read_text()
     table = text[text.index("| option | default | meaning |"):]
     table = table[: table.index("\n\n")]

@@ -24,7 +24,7 @@ def test_an_unknown_setting_warns_once_and_raises_only_where_a_qwen35_model_is_p
         warnings.simplefilter("always")
         first = settings.PluginSettings.from_env(environ)  # stock paths (every model, `env`) read it like this
         second = settings.PluginSettings.from_env(environ)
-    assert first == second and first.fsdp2_forward_prefetch_depth == 2
+    assert first == second and first.parallel.fsdp2_forward_prefetch_depth == 2
     unknown = [w for w in caught if "QWEN35_ACCEL_FOO_UNKNOWN_ONCE" in str(w.message)]
     assert len(unknown) == 1, [str(w.message) for w in caught]  # once per process, not per read
     assert "qwen35_accel reads [" in str(unknown[0].message) and "QWEN35_ACCEL_CPU_FSDP" in str(unknown[0].message)

@@ -412,7 +412,7 @@ def test_regional_compile_on_moe_compiles_the_shared_expert_and_equals_eager():
 
 def test_parallel_options_are_one_object_built_by_the_keywords_or_the_settings():
     """`PARALLELIZER.apply` takes a `ParallelOptions` (or keywords building one): a name it lacks is a
-    TypeError before anything changes; `from_settings` carries every knob that chooses the layout."""
+    TypeError before anything changes; the configuration's `parallel` carries every knob that chooses the layout."""
     import dataclasses
 
     from qwen35_accel import PARALLELIZER
@@ -429,7 +429,7 @@ def test_parallel_options_are_one_object_built_by_the_keywords_or_the_settings()
     assert ParallelOptions(tiled_loss=True).checked().tiled_loss == "recompute"
     settings = PluginSettings.from_env({"QWEN35_ACCEL_EP": "4", "QWEN35_ACCEL_TILED_LOSS": "hold",
                                         "QWEN35_ACCEL_CP_STATE_EXCHANGE": "scan", "QWEN35_ACCEL_MOE_BALANCE": "global"})
-    options = ParallelOptions.from_settings(settings, activation_checkpointing=True)
+    options = settings.with_parallel(activation_checkpointing=True).parallel
     assert (options.ep, options.tiled_loss, options.cp_state_exchange, options.moe_balance, options.activation_checkpointing) == (
         4, "hold", "scan", "global", True)
     # Every field of the options is documented where they are declared, and `apply` points there.

@@ -19,6 +19,7 @@ def _state_worker(rank: int, world: int) -> None:
     from qwen35_accel.model.state import STATE_ATTR, find_state, state_of
     from qwen35_accel.parallel.context_parallel.model import context_parallel_mesh, context_parallel_paused
     from qwen35_accel.parallel.prepared import prepared_state
+    from qwen35_accel.settings import PluginSettings
     from qwen35_accel.testing.tiny import build_tiny_causal_lm
     from test_tensor_parallel import mesh_for
 
@@ -40,6 +41,22 @@ def _state_worker(rank: int, world: int) -> None:
     with context_parallel_paused(model) as paused:
         assert paused and state.cp_paused and context_parallel_mesh(base) is None
     assert not state.cp_paused and context_parallel_mesh(base) is state.cp_mesh
+    # The configuration it ran with, whole: a custom loop's options under the plugin's defaults; the sizes.
+    prep = state.preparation
+    assert prep.source == "apply" and prep.settings == PluginSettings(parallel=prep.options) and prep.options.vocab_parallel_lm_head
+    assert prep.sizes == {"dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2, "ep": 1}
+    # An integration passes the one configuration (read from its environment) and says who it is.
+    settings = PluginSettings.from_env({"QWEN35_ACCEL_CP_METRICS_PER_CHUNK": "1", "QWEN35_ACCEL_TILED_LOSS": "hold"})
+    other = build_tiny_causal_lm(seed=0)
+    with pytest.raises(TypeError, match="not both"):
+        PARALLELIZER.apply(other, mesh_for(world, 2, 2, 1), options=settings.parallel, settings=settings)
+    with pytest.raises(ValueError, match=r"source='trainer'; expected one of \('apply', 'accelerate', 'distributed_config'\)"):
+        PARALLELIZER.apply(other, mesh_for(world, 2, 2, 1), settings=settings, source="trainer")
+    PARALLELIZER.apply(other, mesh_for(world, 2, 2, 1), settings=settings.with_parallel(activation_checkpointing=True), source="accelerate")
+    prep = prepared_state(other)
+    assert prep.source == "accelerate" and prep.settings.cp_metrics_per_chunk and prep.options.tiled_loss == "hold"
+    assert prep.options.activation_checkpointing and state_of(other).tiled_loss == "hold"
+    assert prep.sizes == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1, "ep": 1}
 
 
 def test_what_apply_made_is_in_one_state_shared_through_a_peft_wrapper():

@@ -49,10 +49,14 @@ class CheckpointingChoice(NamedTuple):
     offload: bool
 
 
-def choose_activation_checkpointing(parts: Qwen35Parts, ours: bool, accelerate_offload: bool = False) -> CheckpointingChoice:
+def choose_activation_checkpointing(
+    parts: Qwen35Parts, ours: bool, offload: bool = False, offload_asked_by: str = "activation_offload=True"
+) -> CheckpointingChoice:
     """Which checkpointing the decoder layers and vision blocks get (`PARALLELIZER.apply`'s
-    activation-checkpointing step: `ours` is its `activation_checkpointing` option,
-    `accelerate_offload` its `activation_offload`); never two at once on one module.
+    activation-checkpointing step: `ours` is its `activation_checkpointing` option, `offload` its
+    `activation_offload`, which the line credits to `offload_asked_by`: the option, or the
+    Accelerate config's `fsdp_activation_checkpointing_offload` under the plugin); never two at once
+    on one module.
 
     Transformers' gradient checkpointing (`gradient_checkpointing_enable()`, the Trainer's
     `gradient_checkpointing` / `activation_checkpointing`, TRL's default) sets a
@@ -66,8 +70,8 @@ def choose_activation_checkpointing(parts: Qwen35Parts, ours: bool, accelerate_o
     Accelerate config asked for, so the flags of the modules it checkpoints are turned off
     (a frozen tower's flagged blocks, which ours leaves alone, keep Transformers').
 
-    Offload (the saved inputs in host memory) is never dropped: ours offloads with Accelerate's
-    `fsdp_activation_checkpointing_offload` (`accelerate_offload`), or when Transformers'
+    Offload (the saved inputs in host memory) is never dropped: ours offloads when asked (`offload`:
+    the option, Accelerate's `fsdp_activation_checkpointing_offload` under the plugin), or when Transformers'
     checkpointing it replaces was enabled with `offload=True` (`gradient_checkpointing_kwargs`).
     Transformers' checkpointing with offload on every decoder layer is taken over by ours with
     offload (the same layers; copies without a host sync, where Transformers' `save_on_cpu` syncs
@@ -85,23 +89,22 @@ def choose_activation_checkpointing(parts: Qwen35Parts, ours: bool, accelerate_o
         turned_off = [m for m in (*flagged, *blocks) if any(m is t for t in targets)]
         others = [block for block in blocks if not any(block is t for t in targets)]
         carried = any(_offloads(m) for m in turned_off)  # Transformers' offload on what ours now checkpoints
-        offload = accelerate_offload or carried
+        offloads = offload or carried
         for module in turned_off:
             module.gradient_checkpointing = False
         also = f"; Transformers' gradient checkpointing on {len(others)} vision blocks" if others else ""
         what = describe_checkpoint_targets(parts)
-        if offload:
-            asked = [name for name, on in (("Accelerate's fsdp_activation_checkpointing_offload", accelerate_offload),
-                                           ("Transformers' offload", carried)) if on]
+        if offloads:
+            asked = [name for name, on in ((offload_asked_by, offload), ("Transformers' offload", carried)) if on]
             what += f"; their saved inputs in host memory ({' and '.join(asked)})"
         if taken_over:
-            return CheckpointingChoice(f"qwen35_accel's ({what}; in place of Transformers' gradient checkpointing with offload{also})", True, offload)
+            return CheckpointingChoice(f"qwen35_accel's ({what}; in place of Transformers' gradient checkpointing with offload{also})", True, offloads)
         if turned_off:
             return CheckpointingChoice(
                 f"qwen35_accel's ({what}; Transformers' gradient checkpointing was on too and is turned off "
-                f"on them, so nothing is checkpointed twice{also})", True, offload
+                f"on them, so nothing is checkpointed twice{also})", True, offloads
             )
-        return CheckpointingChoice(f"qwen35_accel's ({what}{also})", True, offload)
+        return CheckpointingChoice(f"qwen35_accel's ({what}{also})", True, offloads)
     also = f"; Transformers' gradient checkpointing on {len(blocks)} vision blocks" if blocks else ""
     held = "; saved inputs in host memory (Transformers' offload)" if transformers_offload else ""
     if flagged:

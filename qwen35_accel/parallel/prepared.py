@@ -9,7 +9,7 @@ shared by the model as passed and the Qwen3.5 model inside it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,6 +20,9 @@ from .expert_parallel.experts import ExpertMesh
 from .mesh import ParallelDims
 from .options import ParallelOptions
 
+if TYPE_CHECKING:
+    from ..settings import PluginSettings
+
 SOURCES: tuple[str, ...] = ("apply", "accelerate", "distributed_config")
 
 
@@ -28,7 +31,8 @@ class Preparation:
     """What one `PARALLELIZER.apply` call works on, handed to each step of the pipeline in order, and
     afterwards the prepared state every reader asks (`prepared_state`): the model as passed (`model`:
     a PEFT wrapper stays outside) and the Qwen3.5 model inside it (`base`), its parts (located once),
-    the mesh's dims and the FSDP2 mesh, the options; what the steps made (`converted`: layers given
+    the mesh's dims and the FSDP2 mesh, the configuration it ran with (`settings`, the one
+    `PluginSettings`; its `parallel` are the options in effect, `options`); what the steps made (`converted`: layers given
     an fp32 gate holder; `expert_mesh` under EP; `checkpointing`: which activation checkpointing runs,
     in words; `compiled`: what torch.compile compiled, in words, "" for nothing); who prepared it
     (`source`)."""
@@ -38,7 +42,7 @@ class Preparation:
     parts: Qwen35Parts
     dims: ParallelDims
     fsdp_mesh: DeviceMesh
-    options: ParallelOptions
+    settings: PluginSettings
     converted: int = 0
     expert_mesh: ExpertMesh | None = None
     checkpointing: str = "none"
@@ -46,8 +50,18 @@ class Preparation:
     # Who prepared it: "apply" (a custom loop), "accelerate" (the plugin's Accelerate preparation) or
     # "distributed_config" (Transformers' sharding at load, taken over).
     source: str = "apply"
-    # The `settings.PluginSettings` the preparing integration read, once (None: a custom loop's `apply`).
-    settings: Any = None
+
+    @property
+    def options(self) -> ParallelOptions:
+        """The parallelizer's options in effect (validated): the configuration's `parallel` branch."""
+        return self.settings.parallel
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The parallel sizes of this preparation: dp_replicate, dp_shard, cp, tp (the mesh's) and ep."""
+        dims = self.dims
+        return {"dp_replicate": dims.dp_replicate, "dp_shard": dims.size(dims.dp_shard_cp_name) // dims.cp_size,
+                "cp": dims.cp_size, "tp": dims.tp_size, "ep": self.options.ep}
 
     @property
     def global_balance(self) -> bool:

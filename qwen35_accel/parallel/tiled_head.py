@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .options import TILED_LOSS_CHOICES
 from .tiled_blocks import FIELDS, block_shape, combine_over_group, gradient_pass, stats_pass
 
 # Per-token outputs besides the target's log-probability, computed only when asked for.
@@ -213,10 +214,10 @@ def linear_token_stats(
     return TokenStats(*stats)
 
 
-LOSS_MODES: tuple[str, ...] = ("recompute", "hold")
+LOSS_MODES: tuple[str, ...] = TILED_LOSS_CHOICES[1:]  # ("recompute", "hold"): the knob's choices but "off"
 # The default: "hold" runs the same four GEMMs per block, and keeps the gradients (one of the
 # lm_head weight's size) from forward to backward instead of the hidden states.
-DEFAULT_LOSS_MODE = "recompute"
+DEFAULT_LOSS_MODE = LOSS_MODES[0]  # "recompute"
 _LOSS_FIELDS = ("max", "sum_exp", "target")
 
 

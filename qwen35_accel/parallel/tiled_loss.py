@@ -39,9 +39,9 @@ from transformers.models.qwen4_exp import modeling_qwen4_exp as hf_qwen4
 from ..model.state import own_state, state_of
 from .losses import CP_NEEDS_SHIFT_LABELS, IGNORE_INDEX, CausalLMLoss, reduce_token_loss
 from .expert_parallel.router import router_loss_coefficient
+from .options import tiled_loss_choice  # noqa: F401  (re-exported: declared with its knob)
 from .tiled_head import DEFAULT_LOSS_MODE, LOSS_MODES, linear_cross_entropy_sum, lm_head_weights
 
-TILED_LOSS_CHOICES: tuple[str, ...] = ("off", *LOSS_MODES)
 _TILED_CLASSES: dict[type, type] = {}
 # The classes that take the tiled loss, with the output class of their forward.
 _OUTPUT_CLASSES: dict[type, type] = {
@@ -65,14 +65,6 @@ def uses_tiled_loss(model: nn.Module) -> bool:
 def tiled_loss_mode(model: nn.Module) -> str:
     """The tiled loss's mode on `model`: "recompute", "hold", or "off" (Transformers' loss)."""
     return state_of(model).tiled_loss or "off"
-
-
-def tiled_loss_choice(value: bool | str) -> str:
-    """`value` as one of `TILED_LOSS_CHOICES`: True is the default mode ("recompute"), False "off"."""
-    mode = (DEFAULT_LOSS_MODE if value else "off") if isinstance(value, bool) else value
-    if mode not in TILED_LOSS_CHOICES:
-        raise ValueError(f"tiled_loss={value!r}: expected one of {list(TILED_LOSS_CHOICES)} (or True/False)")
-    return mode
 
 
 def _tiled_loss_applies(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

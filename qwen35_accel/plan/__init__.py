@@ -68,7 +68,7 @@ def _units(net: Any, parts: Any, sizes: dict[str, int], policy: Any, settings: A
     layers, vision_rows, other = by_layer(rows, parts.layer_types)
     tower = None
     if error is None and parts.vision_model is not None and vision_tower != "none":
-        tower = vision_report(parts.vision_model, units, vision_rows, shards, settings.frozen_multimodal_sharding)
+        tower = vision_report(parts.vision_model, units, vision_rows, shards, settings.parallel.frozen_multimodal_sharding)
     return units, rows, layers, other, tower
 
 
@@ -171,9 +171,9 @@ def plan(
             "reference_model": reference,
             "prefetch": describe_prefetch(net) if error is None else {},
             "context_parallel": cp_comm(net_config.get_text_config(), sizes["cp"], sizes["tp"], seq_len, precision.compute,
-                                        settings.cp_state_exchange, run.backend),
+                                        settings.parallel.cp_state_exchange, run.backend),
             "tensor_parallel": {"tp": sizes["tp"], "status": error or ("none" if sizes["tp"] == 1 else "applied")},
-            "experts": _experts(net_config, settings.ep, shards),
+            "experts": _experts(net_config, settings.parallel.ep, shards),
             **memory,
             "seconds": round(time.perf_counter() - started, 2),
         }

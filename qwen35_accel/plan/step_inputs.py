@@ -30,14 +30,14 @@ def step_memory(
     The kernels are the `run`'s: torch's on "cpu", FLA's and causal-conv1d's on "cuda"."""
     from ..memory import ModelShape, Parallel, StepOptions, VisionShape, VisionTower, memory_report, vision_estimate
 
-    prefetch = settings.fsdp2_prefetch
+    prefetch = settings.parallel.enable_fsdp2_prefetch
     try:
         step = StepOptions(
             seq_len=seq_len, batch_size=batch_size, compute_bytes=precision.compute, optimizer=optimizer,
-            param_bytes=precision.param, activation_checkpointing=activation_checkpointing, tiled_loss=settings.tiled_loss,
+            param_bytes=precision.param, activation_checkpointing=activation_checkpointing, tiled_loss=settings.parallel.tiled_loss,
             activation_offload=activation_offload,
-            forward_prefetch_depth=settings.fsdp2_forward_prefetch_depth if prefetch else 0,
-            backward_prefetch_depth=settings.fsdp2_backward_prefetch_depth if prefetch else 0,
+            forward_prefetch_depth=settings.parallel.fsdp2_forward_prefetch_depth if prefetch else 0,
+            backward_prefetch_depth=settings.parallel.fsdp2_backward_prefetch_depth if prefetch else 0,
             device=run.device,  # type: ignore[arg-type]
             fla=run.kernels == "fla",
             reference_model=reference_model,
@@ -45,13 +45,13 @@ def step_memory(
         )
     except ValueError as exc:
         raise PlanError(str(exc)) from None
-    parallel = Parallel(sizes["dp_replicate"], sizes["dp_shard"], sizes["cp"], sizes["tp"], settings.vocab_parallel_lm_head,
-                        ep=settings.ep)
+    parallel = Parallel(sizes["dp_replicate"], sizes["dp_shard"], sizes["cp"], sizes["tp"], settings.parallel.vocab_parallel_lm_head,
+                        ep=settings.parallel.ep)
     vision, tower = None, None
     if vision_tower != "none":
         vision = VisionTower(
             VisionShape.from_config(model_config), trainable=vision_tower == "trainable",  # type: ignore[arg-type]
-            frozen_sharding=settings.frozen_multimodal_sharding, image_tokens=image_tokens, storage_bytes=precision.storage,
+            frozen_sharding=settings.parallel.frozen_multimodal_sharding, image_tokens=image_tokens, storage_bytes=precision.storage,
         )
         tower = {"image_tokens": image_tokens, "patches_per_rank": vision.patches_per_rank(parallel), "cp": sizes["cp"],
                  "memory_per_rank": vision_estimate(vision, parallel, step).as_dict()}

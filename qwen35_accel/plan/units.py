@@ -73,18 +73,17 @@ def parallelize(net: Any, sizes: dict[str, int], policy: Any, activation_checkpo
     from accelerate.parallelism_config import ParallelismConfig
 
     from ..parallel.mesh import ParallelDims
-    from ..parallel.options import ParallelOptions
     from ..parallelization import PARALLELIZER
 
     config = ParallelismConfig(
         dp_replicate_size=sizes["dp_replicate"], dp_shard_size=sizes["dp_shard"], cp_size=sizes["cp"], tp_size=sizes["tp"]
     )
     try:
-        options = ParallelOptions.from_settings(  # every setting the plugin passes (prefetch, units, tiled loss, ep)
-            settings, mp_policy=policy, activation_checkpointing=activation_checkpointing,
+        chosen = settings.with_parallel(  # every setting the plugin passes (prefetch, units, tiled loss, ep)
+            mp_policy=policy, activation_checkpointing=activation_checkpointing,
             reshard_after_forward=reshard_after_forward,
         )
-        PARALLELIZER.apply(net, ParallelDims.from_parallelism_config(config, "cpu").mesh, options=options)
+        PARALLELIZER.apply(net, ParallelDims.from_parallelism_config(config, "cpu").mesh, settings=chosen)
     except NotImplementedError as exc:
         return str(exc)
     except ValueError as exc:  # a configuration the model cannot take (e.g. tp not dividing the heads)

@@ -79,7 +79,7 @@ def _present_layer_classes_only(plugin: Any, model: nn.Module) -> None:
 def refuse_expert_parallelism(model: nn.Module, why: str) -> None:
     """QWEN35_ACCEL_EP > 1 where the plugin's FSDP2 path does not run: raise (on every rank: the
     settings are every rank's) rather than train every expert on every rank silently."""
-    ep = PluginSettings.from_env(strict=True).ep
+    ep = PluginSettings.from_env(strict=True).parallel.ep
     if ep > 1:
         raise NotImplementedError(
             f"QWEN35_ACCEL_EP={ep} asks for expert parallelism, which qwen35_accel builds in its FSDP2 preparation; "
@@ -133,7 +133,6 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
     from ...ops.kernels import run_summary
-    from ...parallel.options import ParallelOptions
     from ...parallel.tensor_parallel import check_no_cpu_offload
     from ...parallelization import PARALLELIZER, mesh_dim_size
 
@@ -147,7 +146,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         _upcast_trainable(model)
     mesh = _fsdp_mesh(accelerator)
     tp = mesh_dim_size(mesh, "tp")
-    if tp > 1 and settings.vocab_parallel_lm_head:
+    if tp > 1 and settings.parallel.vocab_parallel_lm_head:
         from ...model.detect import unwrap_qwen35
         from ..trl.fused_head import check_no_unwrapped_trl_head
 
@@ -155,8 +154,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
     check_no_cpu_offload(plugin.cpu_offload, tp)  # before the meta move below
     loading = _RamEfficientLoading.begin(model) if plugin.cpu_ram_efficient_loading else None
     ours = bool(plugin.activation_checkpointing)
-    options = ParallelOptions.from_settings(
-        settings,
+    settings = settings.with_parallel(
         mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
         offload_policy=plugin.cpu_offload,
         activation_checkpointing=ours,
@@ -164,7 +162,7 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         reshard_after_forward=plugin.reshard_after_forward,
         compile=compile_kwargs,
     )
-    PARALLELIZER.apply(model, mesh, "dp_shard_cp", options=options)
+    PARALLELIZER.apply(model, mesh, "dp_shard_cp", settings=settings, source="accelerate")
     if loading is not None:
         loading.finish(accelerator, model, tensor_parallel=tp > 1)
     if tp > 1:
@@ -173,14 +171,13 @@ def prepare_qwen35_fsdp2(accelerator: Any, model: nn.Module, *, frozen: bool = F
         check_one_gradient_mesh(model)
     from ...parallel.prepared import prepared_state
 
-    state = prepared_state(model)
-    state.source, state.settings = "accelerate", settings  # the step hooks, evaluation and checkpoints act on it
+    state = prepared_state(model)  # source "accelerate": the step hooks, evaluation and checkpoints act on it
     cp = mesh_dim_size(mesh, "cp")
     main_process_note(
         f"{type(getattr(model, '_orig_mod', model)).__name__.removeprefix('FSDP')} prepared by qwen35_accel: dtype-uniform FSDP2 units "
         f"(fp32 gate holders), mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}, cp={cp}, tp={tp}, "
         f"{experts_note(model)}"
-        f"{mixed_precision_note(accelerator.mixed_precision, options.mp_policy)}, "
+        f"{mixed_precision_note(accelerator.mixed_precision, state.options.mp_policy)}, "
         f"activation checkpointing: {state.checkpointing}, loss: {loss_in_effect(model)}, "
         f"GatedDeltaNet kernels: {run_summary(accelerator.device)}{hub_kernels_note(model)}"
         f"{compile_note(state, compiled_whole=hasattr(model, '_orig_mod'))}"

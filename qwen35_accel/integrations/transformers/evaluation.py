@@ -227,7 +227,6 @@ def evaluation_loop(original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         from ...parallel.context_parallel.model import context_parallel_mesh
         from ...parallel.prepared import prepared_state
-        from ...settings import PluginSettings
 
         gather_function = self.gather_function
         bound = getattr(gather_function, "func", gather_function)
@@ -250,7 +249,7 @@ def evaluation_loop(original: Callable[..., Any]) -> Callable[..., Any]:
             and not isinstance(user_fn, PerChunkPreprocess)
             and qwen is not None
             and context_parallel_mesh(qwen) is not None
-            and (prepared_state(qwen).settings or PluginSettings.from_env()).cp_metrics_per_chunk
+            and prepared_state(qwen).settings.cp_metrics_per_chunk
         )
         if per_chunk:
             self.preprocess_logits_for_metrics = PerChunkPreprocess(user_fn)

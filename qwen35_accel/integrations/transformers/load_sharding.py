@@ -121,7 +121,6 @@ def shard_with_the_plugin(model: nn.Module, distributed_config: Any, mesh_manage
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     from ...model.fp32_gate import rounded_gate_dtypes
-    from ...parallel.options import ParallelOptions
     from ...parallelization import PARALLELIZER
     from ...settings import check_same_on_every_rank
 
@@ -132,17 +131,15 @@ def shard_with_the_plugin(model: nn.Module, distributed_config: Any, mesh_manage
     replicate = distributed_config.dp_replicate_size > 1
     mesh = mesh_manager.get_mesh(("dp_replicate", "fsdp") if replicate else "fsdp")
     mixed = bool(distributed_config.fsdp_mixed_precision)
-    options = ParallelOptions.from_settings(
-        settings,
+    settings = settings.with_parallel(
         mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None,
         offload_policy=CPUOffloadPolicy() if distributed_config.fsdp_cpu_offload else None,
     )
-    PARALLELIZER.apply(model, mesh, "fsdp", options=options)
+    PARALLELIZER.apply(model, mesh, "fsdp", settings=settings, source="distributed_config")
     from ...parallel.prepared import prepared_state
     from ..prepared_line import loss_in_effect
 
     state = prepared_state(model)
-    state.source, state.settings = "distributed_config", settings
 
     loaded = (f" (the checkpoint's values load into them in fp32, the rest in {', '.join(rounded)})" if rounded else "")
     main_process_note(

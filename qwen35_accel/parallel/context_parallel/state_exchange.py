@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import all_gather_with_grad
+from ..options import CP_STATE_EXCHANGE_CHOICES as EXCHANGES  # declared with its knob
 from .chunks import chunk_owner, rank_chunks
 
 Exchange = Literal["auto", "allgather", "scan"]
-EXCHANGES: tuple[str, ...] = ("auto", "allgather", "scan")
 # From which cp size on "auto" scans, per backend. gloo: measured, the scan's forward +
 # backward takes 0.6-0.7x the all-gather's time at cp 2, 0.4x at cp 4, 0.1-0.2x at cp 8
 # (benchmarks/results/cp_comm.md; gloo's all-gather and all-to-all are slower than its

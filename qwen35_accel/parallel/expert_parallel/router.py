@@ -17,14 +17,14 @@ import torch
 import torch.distributed as dist
 
 from ...model.state import own_state
+from ..options import MOE_BALANCE_CHOICES as BALANCE_CHOICES  # declared with its knob
 
 
 EXPERT_WEIGHTS: tuple[str, ...] = ("gate_up_proj", "down_proj")  # the routed experts' 3-D weights
 
-# How the router's load-balancing loss counts tokens: "rank" — each data-parallel rank's own
-# (Transformers' meaning; whole rows under cp), "global" — every data-parallel rank's (the
+# How the router's load-balancing loss counts tokens (BALANCE_CHOICES): "rank" — each data-parallel
+# rank's own (Transformers' meaning; whole rows under cp), "global" — every data-parallel rank's (the
 # global batch, Qwen's recipe): its sums all-reduced over dp_shard × cp.
-BALANCE_CHOICES: tuple[str, ...] = ("rank", "global")
 
 
 def router_loss_coefficient(model: torch.nn.Module) -> float:

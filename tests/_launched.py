@@ -35,7 +35,8 @@ class Run:
     directory, `{in}` a directory `setup(path)` fills in the test process before the launch
     (a checkpoint to load), `{out:NAME}` another run's output directory (`after` must name it).
     `env`: added to the environment for this run alone (read by the plugin and the FSDP plugin
-    at `prepare`)."""
+    at `prepare`). `stdout`: rank 0's standard output of this run kept apart (`Launched.stdout`;
+    what the launcher's process prints itself, not its ranks' processes)."""
 
     config: str | None
     script: Path
@@ -43,6 +44,7 @@ class Run:
     env: Mapping[str, str] = field(default_factory=dict)
     after: tuple[str, ...] = ()
     setup: Callable[[Path], None] | None = None
+    stdout: bool = False
 
 
 RUNS: dict[str, Run] = {}
@@ -58,13 +60,19 @@ def register(**runs: Run) -> None:
 
 @dataclass
 class Launched:
-    """A finished run: its output directory, the directory its `setup` filled (`{in}`), and the
-    stderr lines rank 0 printed during it."""
+    """A finished run: its output directory, the directory its `setup` filled (`{in}`), the
+    stderr lines rank 0 printed during it, and its standard output where its `Run.stdout` asked."""
 
     out: Path
     inputs: Path
     stderr: str
     launch: subprocess.CompletedProcess[str]
+    stdout_file: Path | None = None
+
+    @property
+    def stdout(self) -> str:
+        assert self.stdout_file is not None, "this run's stdout was not kept apart: register it with Run(..., stdout=True)"
+        return self.stdout_file.read_text()
 
 
 def _closure(names: set[str]) -> set[str]:
@@ -144,7 +152,8 @@ class Launches:
             if run.setup is not None:
                 (self._dir(n) / "in").mkdir(exist_ok=True)
                 run.setup(self._dir(n) / "in")
-            specs.append({"name": n, "script": str(run.script), "argv": self._argv(n), "env": dict(run.env)})
+            stdout = str(self._dir(n) / "stdout.txt") if run.stdout else None
+            specs.append({"name": n, "script": str(run.script), "argv": self._argv(n), "env": dict(run.env), "stdout": stdout})
         spec = self._base / f"spec_{len(list(self._base.glob('spec_*')))}.json"
         spec.write_text(json.dumps(specs, indent=1))
         command = ([sys.executable, str(DRIVER), str(spec)] if config is None
@@ -158,6 +167,7 @@ class Launches:
         segments = _segments(result.stderr)
         for n in batch:
             if n in segments and segments[n][1]:
-                self._done[n] = Launched(self._dir(n) / "out", self._dir(n) / "in", segments[n][0], result)
+                kept = self._dir(n) / "stdout.txt" if RUNS[n].stdout else None
+                self._done[n] = Launched(self._dir(n) / "out", self._dir(n) / "in", segments[n][0], result, kept)
             else:
                 self._failed[n] = _failure(n, batch, "exited 0 without marking this run's end", result)

@@ -1,11 +1,15 @@
 """Every benchmark runs: `python benchmarks/X.py --smoke` (tiny shapes, one or two steps).
 
-Each script runs as a subprocess from the repository root, as a reader of the README would
-run it, with a hard timeout. A smoke run writes no results file (benchmarks/results stays
-as it is) unless given --results-dir, which two of the tests use to check the results
-header (date, versions, load), that fsdp_step.py appends a run instead of overwriting, and
-that the scripts which draw write their results first and lose only the picture without
-matplotlib (an optional dependency, made absent in the script's process).
+Each script runs from the repository root as `python benchmarks/X.py --smoke` runs it (its
+`__main__`, its argv), the smokes one after the other in one interpreter, the batch of runs
+without a launcher (tests/_launched.py: the interpreter's start and imports are paid once, not
+per script; a script that fails fails that batch's tests, with its output); the two whose
+picture is tested without matplotlib run as subprocesses of their own, with a hard timeout. A
+smoke run writes no results file (benchmarks/results stays as it is) unless given
+--results-dir, which some of the tests use to check the results header (date, versions, load),
+that fsdp_step.py appends a run instead of overwriting, and that the scripts which draw write
+their results first and lose only the picture without matplotlib (an optional dependency, made
+absent in the script's process).
 The full runs are not tests: they take minutes and their numbers are committed under
 benchmarks/results.
 """
@@ -22,10 +26,12 @@ from pathlib import Path
 
 import pytest
 
+from _launched import RUNS, Run, register
 from qwen35_accel.testing.processes import ProcessTreeTimeout, run_process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+SMOKE_ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 # A guard against hangs, not a speed check: about 10x the slowest smoke on an idle 2-core machine
 # (rl_cp_step.py, 38 s: five worlds of up to 4 ranks). At 180 s it failed once beside other CPU-heavy
 # work (load average above 16 on 2 cores) and passed on every rerun, under load too: most likely the timeout.
@@ -61,6 +67,51 @@ def _smoke(script: str, *extra: str, without_matplotlib: bool = False) -> str:
         assert _snapshot() == before, f"{script} --smoke wrote results files\n{tail}"
         assert "\nwrote " not in proc.stdout, tail
     return proc.stdout
+
+
+BENCHMARKS = ROOT / "benchmarks"
+_BEFORE = _snapshot()  # at collection: what no smoke run may have touched when its test reads it
+
+
+def _earlier_fsdp_step_run(folder: Path) -> None:
+    (folder / "fsdp_step.md").write_text("# Training step time\n\nan earlier run\n")
+
+
+def _bench(script: str, *argv: str, **run: object) -> Run:
+    return Run(None, BENCHMARKS / script, ("--smoke", *argv), env=SMOKE_ENV, stdout=True, **run)
+
+
+# The smokes run in the batch of runs without a launcher, in this order (`launched`).
+register(**{
+    "bench/gate_precision": _bench("gate_precision.py", "--seeds", "0", "1", "--results-dir", "{out}"),
+    "bench/fsdp_step": _bench("fsdp_step.py", "--results-dir", "{in}", setup=_earlier_fsdp_step_run),
+    "bench/tp_step": _bench("tp_step.py"),
+    "bench/vocab_parallel_step": _bench("vocab_parallel_step.py"),
+    "bench/cp_comm": _bench("cp_comm.py", "--results-dir", "{out}"),
+    "bench/cp_step": _bench("cp_step.py"),
+    "bench/cuda_check": _bench("cuda_check.py", "--device", "cpu"),
+    "bench/launch_reliability": _bench("launch_reliability.py", "--configs", "cpu_fsdp2.yaml"),
+    "bench/gpu_step": _bench("gpu_step.py"),
+    "bench/gpu_step_budget_0": _bench("gpu_step.py", "--budget", "0"),
+    "bench/loss_memory": _bench("loss_memory.py"),
+    "bench/plan_table": _bench("plan_table.py"),
+    "bench/vlm_placeholder_step": _bench("vlm_placeholder_step.py"),
+    "bench/rl_cp_step": _bench("rl_cp_step.py", "--replica-layouts", "dp2,dp2xcp2"),
+    "bench/offload_step": _bench("offload_step.py"),
+    "bench/compile_step": _bench("compile_step.py"),
+    "bench/moe_step": _bench("moe_step.py"),
+    "bench/moe_gpu_step": _bench("moe_gpu_step.py"),
+})
+
+
+def _ran(launched, name: str) -> str:
+    """The stdout of the smoke run `name` (batched; the test fails with the batch's output if it
+    failed); a run without --results-dir wrote no results file."""
+    stdout = launched(name).stdout
+    if "--results-dir" not in RUNS[name].argv:
+        assert _snapshot() == _BEFORE, f"{name} wrote results files\n{stdout[-3000:]}"
+        assert "\nwrote " not in stdout, stdout[-3000:]
+    return stdout
 
 
 def _table_rows(stdout: str, header_start: str) -> list[list[str]]:
@@ -100,8 +151,9 @@ def _smoke_without_matplotlib(script: str, folder: Path, table_header: str) -> s
     return stdout
 
 
-def test_gate_precision_smoke(tmp_path):
-    stdout = _smoke("gate_precision.py", "--seeds", "0", "1", "--results-dir", str(tmp_path))
+@pytest.mark.launches("bench/gate_precision")
+def test_gate_precision_smoke(launched):
+    stdout = _ran(launched, "bench/gate_precision")
     rows = _table_rows(stdout, "| seed | approach |")
     assert [r[0] for r in rows] == ["0", "0", "1", "1"], stdout
     for seed, approach, g, decay, out in rows:
@@ -111,20 +163,20 @@ def test_gate_precision_smoke(tmp_path):
             assert 0 < float(g) < 0.05, stdout  # bf16 A_log / dt_bias: off, but by a bf16 rounding
         assert math.isfinite(float(out)), stdout
     assert len(_table_rows(stdout, "| approach |")) == 2, stdout  # the spread over seeds
-    written = (tmp_path / "gate_precision.md").read_text()
+    written = (launched("bench/gate_precision").out / "gate_precision.md").read_text()
     _assert_header(written)
     assert "| seed | approach |" in written
 
 
-def test_fsdp_step_smoke_appends_a_run(tmp_path):
-    (tmp_path / "fsdp_step.md").write_text("# Training step time\n\nan earlier run\n")
-    stdout = _smoke("fsdp_step.py", "--results-dir", str(tmp_path))
+@pytest.mark.launches("bench/fsdp_step")
+def test_fsdp_step_smoke_appends_a_run(launched):
+    stdout = _ran(launched, "bench/fsdp_step")
     rows = _table_rows(stdout, "| wrap |")
     assert [r[0] for r in rows] == ["qwen35_accel", "qwen35_accel (model holder unit)", "baseline", "baseline, same schedule"]
     for _, median_ms, to_baseline, to_same_schedule in rows:
         assert float(median_ms) > 0 and math.isfinite(float(to_baseline)) and math.isfinite(float(to_same_schedule)), stdout
     assert rows[2][2] == "1.000" and rows[3][3] == "1.000", stdout  # each baseline against itself
-    written = (tmp_path / "fsdp_step.md").read_text()
+    written = (launched("bench/fsdp_step").inputs / "fsdp_step.md").read_text()
     assert written.startswith("# Training step time\n\nan earlier run\n\n## Run "), written[:500]
     _assert_header(written)
 
@@ -134,14 +186,16 @@ def _ratio_table(stdout: str) -> dict[str, float]:
     return {r[0]: float(r[3].split()[0]) for r in _table_rows(stdout, "| per rank |")}
 
 
-def test_tp_step_smoke():
-    ratios = _ratio_table(_smoke("tp_step.py"))
+@pytest.mark.launches("bench/tp_step")
+def test_tp_step_smoke(launched):
+    ratios = _ratio_table(_ran(launched, "bench/tp_step"))
     assert math.isfinite(ratios["step time, median"]) and ratios["step time, median"] > 0
     assert 0.3 < ratios["activation memory"] < 0.8  # each rank holds half the heads
 
 
-def test_vocab_parallel_step_smoke():
-    stdout = _smoke("vocab_parallel_step.py")
+@pytest.mark.launches("bench/vocab_parallel_step")
+def test_vocab_parallel_step_smoke(launched):
+    stdout = _ran(launched, "bench/vocab_parallel_step")
     ratios = _ratio_table(stdout)
     assert math.isfinite(ratios["step time, median"]) and ratios["step time, median"] > 0
     assert 0.3 < ratios["activation memory"] < 0.8, stdout
@@ -149,11 +203,12 @@ def test_vocab_parallel_step_smoke():
     assert relative < 1e-5, stdout  # fp32 rtol 1e-5: the same loss, its log-sum-exp reduced over vocab slices
 
 
-def test_cp_comm_smoke_writes_results_and_draws_where_matplotlib_is(tmp_path):
-    stdout = _smoke("cp_comm.py", "--results-dir", str(tmp_path))
-    _assert_header((tmp_path / "cp_comm.md").read_text())
+@pytest.mark.launches("bench/cp_comm")
+def test_cp_comm_smoke_writes_results_and_draws_where_matplotlib_is(launched):
+    stdout, folder = _ran(launched, "bench/cp_comm"), launched("bench/cp_comm").out
+    _assert_header((folder / "cp_comm.md").read_text())
     drawn = importlib.util.find_spec("matplotlib") is not None
-    assert (tmp_path / "cp_comm.png").exists() == drawn and (NO_PICTURE in stdout) != drawn, stdout
+    assert (folder / "cp_comm.png").exists() == drawn and (NO_PICTURE in stdout) != drawn, stdout
     measured = _table_rows(stdout, "| seq | ours fwd | ours bwd | all-gather fwd |")
     assert [r[0] for r in measured] == ["32", "64"] and all(r[5] == "yes" for r in measured), stdout
     assert "FORMULA MISMATCH" not in stdout
@@ -179,8 +234,9 @@ def test_cp_memory_smoke_without_matplotlib_writes_results_without_the_picture(t
     assert len(losses) <= 2 and max(losses) - min(losses) <= 1e-5 * max(losses) + 1e-6, stdout
 
 
-def test_cp_step_smoke():
-    stdout = _smoke("cp_step.py")
+@pytest.mark.launches("bench/cp_step")
+def test_cp_step_smoke(launched):
+    stdout = _ran(launched, "bench/cp_step")
     ratio = _bold_ratio(stdout, "Step time per rank, cp 2 / cp 1 (medians)")
     assert math.isfinite(ratio) and ratio > 0, stdout
     rows = _table_rows(stdout, "| config | rank | median step (s) |")
@@ -189,8 +245,9 @@ def test_cp_step_smoke():
     assert len(losses) == 3 and max(losses) - min(losses) <= 1e-5 * max(losses) + 1e-6, stdout
 
 
-def test_cuda_check_cpu_smoke():
-    stdout = _smoke("cuda_check.py", "--device", "cpu")
+@pytest.mark.launches("bench/cuda_check")
+def test_cuda_check_cpu_smoke(launched):
+    stdout = _ran(launched, "bench/cuda_check")
     results = {}
     for line in stdout.splitlines():
         name, _, value = line.partition(" ")
@@ -225,42 +282,48 @@ def test_packing_step_smoke_reports_both_layouts_and_exact_documents_also_withou
     assert parity < 1e-5, stdout
 
 
-def test_launch_reliability_smoke_counts_launches_that_exit_0():
-    stdout = _smoke("launch_reliability.py", "--configs", "cpu_fsdp2.yaml")
+@pytest.mark.launches("bench/launch_reliability")
+def test_launch_reliability_smoke_counts_launches_that_exit_0(launched):
+    stdout = _ran(launched, "bench/launch_reliability")
     rows = _table_rows(stdout, "| config |")
     assert rows == [["cpu_fsdp2.yaml", "1", "1", rows[0][3]]], stdout
 
 
-def test_gpu_step_smoke_runs_the_three_configurations_on_the_same_model():
-    stdout = _smoke("gpu_step.py")
+@pytest.mark.launches("bench/gpu_step", "bench/gpu_step_budget_0")
+def test_gpu_step_smoke_runs_the_three_configurations_on_the_same_model(launched):
+    stdout = _ran(launched, "bench/gpu_step")
     rows = _table_rows(stdout, "| model | seq | config |")
     assert [r[2] for r in rows] == ["transformers", "ours cp 1", "ours cp 2"], stdout
     assert all(float(r[4]) > 0 and math.isfinite(float(r[4])) for r in rows), stdout
     losses = [float(r[-1]) for r in rows]  # fp32 on CPU: the same first-step loss (reduction order only)
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), stdout
     # A spent --budget starts no configuration and says so per row (a device session's fixed time).
-    spent = _table_rows(_smoke("gpu_step.py", "--budget", "0"), "| model | seq | config |")
+    spent = _table_rows(_ran(launched, "bench/gpu_step_budget_0"), "| model | seq | config |")
     assert [(r[2], r[4]) for r in spent] == [(name, "skipped (--budget 0 s)") for name in ("transformers", "ours cp 1", "ours cp 2")]
 
 
-def test_loss_memory_smoke_reports_both_losses_equal():
-    out = _smoke("loss_memory.py")
+@pytest.mark.launches("bench/loss_memory")
+def test_loss_memory_smoke_reports_both_losses_equal(launched):
+    out = _ran(launched, "bench/loss_memory")
     rows = {line for line in out.splitlines() if re.match(r"^\| 64 \| 256 \| [12] \| \d+×\d+ \| (hold|recompute) \|", line)}
     assert len(rows) == 4, out  # both modes at cp 1 and cp 2 (each printed as measured, then in the table)
     for row in rows:  # the tiled loss equals Transformers' (fp32: the same sums in tiles)
         assert float(row.strip("| ").split(" | ")[-1]) < 1e-5, row
 
 
-def test_plan_table_smoke():
-    assert "| model | loss | cp 1 |" in _smoke("plan_table.py")
+@pytest.mark.launches("bench/plan_table")
+def test_plan_table_smoke(launched):
+    assert "| model | loss | cp 1 |" in _ran(launched, "bench/plan_table")
 
 
-def test_vlm_placeholder_step_smoke():
-    assert "placeholder / none" in _smoke("vlm_placeholder_step.py")
+@pytest.mark.launches("bench/vlm_placeholder_step")
+def test_vlm_placeholder_step_smoke(launched):
+    assert "placeholder / none" in _ran(launched, "bench/vlm_placeholder_step")
 
 
-def test_rl_cp_step_smoke_reports_saved_bytes_step_and_generation_at_cp1_and_cp2():
-    stdout = _smoke("rl_cp_step.py", "--replica-layouts", "dp2,dp2xcp2")
+@pytest.mark.launches("bench/rl_cp_step")
+def test_rl_cp_step_smoke_reports_saved_bytes_step_and_generation_at_cp1_and_cp2(launched):
+    stdout = _ran(launched, "bench/rl_cp_step")
     saved = _bold_ratio(stdout, "Saved bytes per rank, cp 2 / cp 1 (worst rank)")
     assert 0.3 < saved < 1.0, stdout  # each rank keeps its chunks' activations (tiny shapes: CP's fixed part weighs more)
     for label in ("Training step time (forward + backward), cp 2 / cp 1 (medians, slowest rank)",
@@ -283,8 +346,9 @@ def test_rl_cp_step_smoke_reports_saved_bytes_step_and_generation_at_cp1_and_cp2
         assert max(values) - min(values) <= 1e-5 * max(abs(v) for v in values) + decimals, stdout
 
 
-def test_offload_step_smoke_reports_saved_bytes_and_step_time_with_and_without_offload():
-    stdout = _smoke("offload_step.py")
+@pytest.mark.launches("bench/offload_step")
+def test_offload_step_smoke_reports_saved_bytes_and_step_time_with_and_without_offload(launched):
+    stdout = _ran(launched, "bench/offload_step")
     saved = _bold_ratio(stdout, "Saved bytes on the device per rank (decoder), offload / no offload")
     assert 0 < saved < 0.8, stdout  # the layers' inputs left the device (tiny shapes: the embedding's part weighs more)
     step = _bold_ratio(stdout, "Step time, offload / no offload (medians, slowest rank)")
@@ -296,8 +360,9 @@ def test_offload_step_smoke_reports_saved_bytes_and_step_time_with_and_without_o
     assert len({r[-1] for r in rows}) == 1, stdout  # the same loss to the printed decimals: offload copies exactly
 
 
-def test_compile_step_smoke_reports_each_world_without_a_graph_break():
-    stdout = _smoke("compile_step.py")
+@pytest.mark.launches("bench/compile_step")
+def test_compile_step_smoke_reports_each_world_without_a_graph_break(launched):
+    stdout = _ran(launched, "bench/compile_step")
     rows = _table_rows(stdout, "| world | compiled | eager (ms) | compiled (ms) |")
     assert [r[0] for r in rows] == ["one process", "FSDP2, 2 ranks", "CP 2, 2 ranks"], stdout
     assert [r[1] for r in rows] == [
@@ -309,10 +374,11 @@ def test_compile_step_smoke_reports_each_world_without_a_graph_break():
     assert [r[-1] for r in rows] == ["0", "0", "0"], stdout  # graph breaks in a compiled step
 
 
-def test_moe_step_smoke():
+@pytest.mark.launches("bench/moe_step")
+def test_moe_step_smoke(launched):
     """ep 2 against dp 2: the all-to-alls move what the routing implies, no more; each rank computes
     with half the experts and holds the same shards (FSDP2 shards dp's experts too)."""
-    rows = {r[0]: r for r in _table_rows(_smoke("moe_step.py"), "| per rank |")}
+    rows = {r[0]: r for r in _table_rows(_ran(launched, "bench/moe_step"), "| per rank |")}
     counted = rows["all-to-all bytes per layer and step, as the routing implies (2 × (pairs sent + pairs received) × hidden × 4 B)"]
     assert abs(float(counted[3].split()[0]) - 1.0) < 2e-3, counted
     assert float(rows["expert weights of a layer while it computes"][3]) == 0.5
@@ -320,10 +386,11 @@ def test_moe_step_smoke():
     assert float(rows["step time, median"][3].split()[0]) > 0
 
 
-def test_moe_gpu_step_smoke_runs_ep1_and_ep2_on_the_same_model():
+@pytest.mark.launches("bench/moe_gpu_step")
+def test_moe_gpu_step_smoke_runs_ep1_and_ep2_on_the_same_model(launched):
     """The GPU MoE entry's CPU smoke (2 gloo ranks, tiny fp32 MoE): ep 1 and ep 2 both run and their
     first losses agree (the same weights and batch), with plan's prediction beside each."""
-    rows = {r[0]: r for r in _table_rows(_smoke("moe_gpu_step.py"), "| config |")}
+    rows = {r[0]: r for r in _table_rows(_ran(launched, "bench/moe_gpu_step"), "| config |")}
     assert set(rows) == {"ep 1", "ep 2"}, rows
     assert math.isclose(float(rows["ep 1"][5]), float(rows["ep 2"][5]), rel_tol=1e-5), rows
     assert all(float(r[4]) > 0 and float(r[1].replace(",", "")) > 0 for r in rows.values()), rows

@@ -133,6 +133,8 @@ with open(os.path.join(sys.argv[2], "seen.json"), "w") as f:
     json.dump({"argv": sys.argv[1:], "x": os.environ.get("SHOW_X"), "leaked": os.environ.get("SHOW_LEAK"),
                "pid": os.getpid(), "main": __name__}, f)
 os.environ["SHOW_LEAK"] = "1"  # must not reach the next run
+print("stdout of", sys.argv[1])
+sys.exit(0)  # as `python SCRIPT` may end: a success, and the next run goes on
 """
 
 
@@ -143,7 +145,7 @@ def test_batched_runs_share_one_process_each_with_its_own_arguments_environment_
 
     script = tmp_path / "show.py"
     script.write_text(_SHOW)
-    runs = {"helpers/a": Run(None, script, ("a", "{out}"), env={"SHOW_X": "1"}),
+    runs = {"helpers/a": Run(None, script, ("a", "{out}"), env={"SHOW_X": "1"}, stdout=True),
             "helpers/b": Run(None, script, ("b", "{out}", "{out:helpers/a}"), after=("helpers/a",)),
             "helpers/unselected": Run(None, script, ("u", "{out}"))}
     for name, run in runs.items():
@@ -155,6 +157,9 @@ def test_batched_runs_share_one_process_each_with_its_own_arguments_environment_
     assert seen_a["argv"] == ["a", str(a.out)] and seen_b["argv"] == ["b", str(b.out), str(a.out)]
     assert (seen_a["x"], seen_b["x"], seen_b["leaked"]) == ("1", None, None)  # each run's own environment
     assert a.stderr.strip() == "stderr of a" and b.stderr.strip() == "stderr of b"
+    assert a.stdout == "stdout of a\n"  # kept apart where asked (b's went to the launch's own stdout)
+    with pytest.raises(AssertionError, match="stdout=True"):
+        b.stdout
     assert not (tmp_path / "base" / "helpers_unselected").exists()
 
 

@@ -43,7 +43,6 @@ def knob(default: Any, *help: str, setting: str | None = None, choices: tuple[st
     return dataclasses.field(default=default, metadata={"help": "".join(help), "setting": setting, "choices": choices})
 
 
-
 def tiled_loss_choice(value: bool | str) -> str:
     """`value` as one of `TILED_LOSS_CHOICES`: True is the default mode ("recompute"), False "off"."""
     mode = (TILED_LOSS_CHOICES[1] if value else "off") if isinstance(value, bool) else value

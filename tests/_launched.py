@@ -36,7 +36,9 @@ class Run:
     (a checkpoint to load), `{out:NAME}` another run's output directory (`after` must name it).
     `env`: added to the environment for this run alone (read by the plugin and the FSDP plugin
     at `prepare`). `stdout`: rank 0's standard output of this run kept apart (`Launched.stdout`;
-    what the launcher's process prints itself, not its ranks' processes)."""
+    what the launcher's process prints itself, not its ranks' processes). `batch`: runs of one config
+    share a launch only if their `batch` names agree too (a group kept apart from the others: its
+    failure, or what its scripts leave in the process, does not reach them)."""
 
     config: str | None
     script: Path
@@ -45,6 +47,7 @@ class Run:
     after: tuple[str, ...] = ()
     setup: Callable[[Path], None] | None = None
     stdout: bool = False
+    batch: str = ""
 
 
 RUNS: dict[str, Run] = {}
@@ -142,9 +145,10 @@ class Launches:
         return self._done[name]
 
     def _launch(self, name: str) -> None:
-        config = RUNS[name].config
+        key = (RUNS[name].config, RUNS[name].batch)
+        config = key[0]
         pending = self._wanted | _closure({name})
-        batch = [n for n, run in RUNS.items() if n in pending and run.config == config and n not in self._done]
+        batch = [n for n, run in RUNS.items() if n in pending and (run.config, run.batch) == key and n not in self._done]
         specs = []
         for n in batch:
             run = RUNS[n]

@@ -1,9 +1,9 @@
 """Every benchmark runs: `python benchmarks/X.py --smoke` (tiny shapes, one or two steps).
 
 Each script runs from the repository root as `python benchmarks/X.py --smoke` runs it (its
-`__main__`, its argv), the smokes one after the other in one interpreter, the batch of runs
-without a launcher (tests/_launched.py: the interpreter's start and imports are paid once, not
-per script; a script that fails fails that batch's tests, with its output); the two whose
+`__main__`, its argv), the smokes one after the other in one interpreter, a batch of runs
+without a launcher of their own (tests/_launched.py: the interpreter's start and imports are paid
+once, not per script; a script that fails fails the smokes' tests, with its output); the two whose
 picture is tested without matplotlib run as subprocesses of their own, with a hard timeout. A
 smoke run writes no results file (benchmarks/results stays as it is) unless given
 --results-dir, which some of the tests use to check the results header (date, versions, load),
@@ -78,10 +78,11 @@ def _earlier_fsdp_step_run(folder: Path) -> None:
 
 
 def _bench(script: str, *argv: str, **run: object) -> Run:
-    return Run(None, BENCHMARKS / script, ("--smoke", *argv), env=SMOKE_ENV, stdout=True, **run)
+    return Run(None, BENCHMARKS / script, ("--smoke", *argv), env=SMOKE_ENV, stdout=True, batch="benchmarks", **run)
 
 
-# The smokes run in the batch of runs without a launcher, in this order (`launched`).
+# The smokes run one after the other in one process of their own (a batch apart from the one-process
+# reference runs of the other tests), in this order (`launched`).
 register(**{
     "bench/gate_precision": _bench("gate_precision.py", "--seeds", "0", "1", "--results-dir", "{out}"),
     "bench/fsdp_step": _bench("fsdp_step.py", "--results-dir", "{in}", setup=_earlier_fsdp_step_run),

@@ -88,7 +88,7 @@ class PluginSettings:
 
     @staticmethod
     def env_name(knob_name: str) -> str:
-        """The variable of the knob named `knob_name` (`Knob.name`)."""
+        """The variable of the knob named `knob_name` (a field of either branch, or its declared `setting`)."""
         return ENV_PREFIX if knob_name == "enabled" else f"{ENV_PREFIX}_{knob_name.upper()}"
 
     def with_parallel(self, **choices: Any) -> PluginSettings:

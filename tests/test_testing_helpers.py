@@ -8,9 +8,10 @@ import time
 import pytest
 import torch.distributed as dist
 
+from _dist import run_world
+from qwen35_accel.local_world import START_METHOD_VAR
 from qwen35_accel.testing.local_world import run_local_world
 from qwen35_accel.testing.processes import ProcessTreeTimeout, is_running, run_process_tree
-from qwen35_accel.testing.world_pool import run_pooled_world
 
 
 def _deadlocked_worker(rank: int, world: int, reached: str | None = None) -> None:
@@ -37,21 +38,31 @@ def test_a_deadlocked_local_world_raises_timeout_error_naming_the_ranks(capfd, t
     assert "_deadlocked_worker" in capfd.readouterr().err  # each rank's Python stack was dumped
 
 
-def _leaving_state_worker(rank: int, world: int, marker: str) -> None:
+def _environment_worker(rank: int, world: int, path: str) -> None:
     import os
 
     import torch
 
-    assert "QWEN35_POOL_LEFTOVER" not in os.environ, "a previous task's environment leaked"
-    import warnings
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    with open(f"{path}.{rank}", "w") as f:
+        f.write(f"{os.environ.get('QWEN35_PROBE')} {'transformers' in sys.modules} {total.item()}")
 
-    assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
-    warnings.warn("a FutureWarning the previous task's filter would turn into an error", FutureWarning)
-    os.environ["QWEN35_POOL_LEFTOVER"] = marker
-    warnings.simplefilter("error", FutureWarning)
-    torch.set_default_dtype(torch.float64)
-    torch.set_grad_enabled(False)
-    dist.all_reduce(torch.ones(1))
+
+@pytest.mark.multiprocess
+def test_forkserver_worlds_start_with_the_callers_current_environment_and_the_preloaded_modules(tmp_path, monkeypatch):
+    # The tests (tests/_dist.py) and the benchmark smokes start their worlds this way: forked from one server
+    # that imported torch and Transformers once, each rank must still see the environment as the caller
+    # set it for that world (the server keeps the one it started with), and a failing rank still fails the call.
+    monkeypatch.setenv(START_METHOD_VAR, "forkserver")
+    for value in ("first", "second"):
+        monkeypatch.setenv("QWEN35_PROBE", value)
+        run_local_world(_environment_worker, 2, str(tmp_path / value))
+        assert [(tmp_path / f"{value}.{rank}").read_text() for rank in (0, 1)] == [f"{value} True 1.0"] * 2
+    with pytest.raises(Exception, match="rank 1 stops here"):
+        run_local_world(_failing_worker, 2, timeout=60)
+    with pytest.raises(ValueError, match=r"start='fork': expected one of"):
+        run_local_world(_environment_worker, 2, str(tmp_path / "never"), start="fork")
 
 
 def _failing_worker(rank: int, world: int) -> None:
@@ -60,33 +71,34 @@ def _failing_worker(rank: int, world: int) -> None:
     dist.barrier()  # rank 0 waits in a collective its peer never joins
 
 
-def _pid_worker(rank: int, world: int, path: str) -> None:
+def _groups_worker(rank: int, world: int) -> None:
     import os
+    import sys
+    import warnings
 
-    if rank == 0:
-        with open(path, "a") as f:
-            f.write(f"{os.getpid()}\n")
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qwen35_accel.testing.process_state import reset_process_state
+
+    state = (dict(os.environ), list(sys.path), list(warnings.filters), torch.get_default_dtype(), False, 1)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    dist.all_reduce(torch.ones(1), group=dist.new_group([0, 1]))
+    made = len(dist.distributed_c10d._world.pg_map)
+    torch.set_default_dtype(torch.float64)
+    reset_process_state(*state)
+    assert made > 1 and list(dist.distributed_c10d._world.pg_map) == [dist.GroupMember.WORLD], made
+    assert torch.get_default_dtype() == torch.float32
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the default group still works
+    assert total.item() == world and mesh is not None
 
 
 @pytest.mark.multiprocess
-def test_a_pooled_world_runs_each_task_as_a_fresh_one(tmp_path):
-    """Tasks share the ranks but not what a task leaves behind; a task that fails on one rank
-    is reported with that rank's traceback (its peer stuck in a collective), and the next task
-    gets a new world; a deadlock times out naming the ranks."""
-    pids = tmp_path / "pids"
-    run_pooled_world(_pid_worker, 2, str(pids))
-    run_pooled_world(_leaving_state_worker, 2, "first")
-    run_pooled_world(_leaving_state_worker, 2, "second")  # fails if the first's state stayed
-    run_pooled_world(_pid_worker, 2, str(pids))
-    with pytest.raises(Exception, match="rank 1 stops here"):
-        run_pooled_world(_failing_worker, 2, timeout=60)
-    run_pooled_world(_pid_worker, 2, str(pids))
-    first, again, respawned = pids.read_text().split()
-    assert first == again != respawned  # the same ranks, then a new world after the failure
-    started = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] were still running"):
-        run_pooled_world(_deadlocked_worker, 2, timeout=15)
-    assert time.monotonic() - started < 60
+def test_resetting_a_process_between_script_runs_keeps_only_the_default_process_group():
+    # tests/scripts/several_runs.py: each run's meshes make gloo groups, each with transport threads
+    # that keep waking; thirty runs in one launch would carry all of them to the end.
+    run_world(_groups_worker, 2)
 
 
 # A "launcher" that starts a worker in a session of its own (as torch elastic does) and hangs.

@@ -7,7 +7,7 @@ SPEC.json: a list of {"name", "script", "argv", "env", "stdout"}. Each script ru
 ARGV…` runs it (`__name__ == "__main__"`, `sys.argv`), with `env` added to the environment and, where
 "stdout" names a file, rank 0's standard output written there instead (other ranks': as usual); afterwards
 this process is put back as a fresh one would be (environment, sys.path, warning filters, torch
-defaults, Accelerate's singletons: `qwen35_accel.testing.world_pool.reset_process_state`). The
+defaults, Accelerate's singletons: `qwen35_accel.testing.process_state.reset_process_state`). The
 Trainer builds its Accelerator anew for every run, so settings read at `prepare` (QWEN35_ACCEL_*,
 the FSDP plugin's FSDP_* variables) are each run's own. Rank 0 marks each run on stderr
 (`[several_runs] begin NAME` / `[several_runs] end NAME`), so a test reads its own run's lines.
@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from qwen35_accel.testing.world_pool import reset_process_state
+from qwen35_accel.testing.process_state import reset_process_state
 
 MARK = "[several_runs]"
 

@@ -8,7 +8,6 @@ import time
 import pytest
 import torch.distributed as dist
 
-from _dist import run_world
 from qwen35_accel.local_world import START_METHOD_VAR
 from qwen35_accel.testing.local_world import run_local_world
 from qwen35_accel.testing.processes import ProcessTreeTimeout, is_running, run_process_tree
@@ -69,36 +68,6 @@ def _failing_worker(rank: int, world: int) -> None:
     if rank == 1:
         raise ValueError("rank 1 stops here")
     dist.barrier()  # rank 0 waits in a collective its peer never joins
-
-
-def _groups_worker(rank: int, world: int) -> None:
-    import os
-    import sys
-    import warnings
-
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from qwen35_accel.testing.process_state import reset_process_state
-
-    state = (dict(os.environ), list(sys.path), list(warnings.filters), torch.get_default_dtype(), False, 1)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    dist.all_reduce(torch.ones(1), group=dist.new_group([0, 1]))
-    made = len(dist.distributed_c10d._world.pg_map)
-    torch.set_default_dtype(torch.float64)
-    reset_process_state(*state)
-    assert made > 1 and list(dist.distributed_c10d._world.pg_map) == [dist.GroupMember.WORLD], made
-    assert torch.get_default_dtype() == torch.float32
-    total = torch.ones(1)
-    dist.all_reduce(total)  # the default group still works
-    assert total.item() == world and mesh is not None
-
-
-@pytest.mark.multiprocess
-def test_resetting_a_process_between_script_runs_keeps_only_the_default_process_group():
-    # tests/scripts/several_runs.py: each run's meshes make gloo groups, each with transport threads
-    # that keep waking; thirty runs in one launch would carry all of them to the end.
-    run_world(_groups_worker, 2)
 
 
 # A "launcher" that starts a worker in a session of its own (as torch elastic does) and hangs.

@@ -106,7 +106,7 @@ def run_local_world(
     timeout: float = DEFAULT_TIMEOUT_S,
     start: str | None = None,
 ) -> None:
-    """Spawn `world_size` CPU ranks running `fn(rank, world_size, *args)` on gloo.
+    """Start `world_size` CPU ranks running `fn(rank, world_size, *args)` on gloo.
 
     `fn` must be importable (a module-level function). An exception in any rank is
     re-raised here with that rank's traceback (torch.multiprocessing.ProcessRaisedException),

@@ -81,19 +81,24 @@ def test_resetting_a_process_after_a_script_run_puts_back_what_the_run_changed(m
     from qwen35_accel.testing.process_state import reset_process_state
 
     monkeypatch.delenv("QWEN35_RUN_LEFTOVER", raising=False)
-    state = (dict(os.environ), list(sys.path), list(warnings.filters), torch.get_default_dtype(),
-             torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
+
+    def state() -> tuple:
+        return (dict(os.environ), list(sys.path), list(warnings.filters), torch.get_default_dtype(),
+                torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
+
+    reset_process_state(*state())  # once first: torch's calls in it import modules that add warning filters
+    before = state()
     try:
         os.environ["QWEN35_RUN_LEFTOVER"] = "1"
         sys.path.insert(0, "/a/run's/script/folder")
         warnings.simplefilter("error", FutureWarning)
         torch.set_default_dtype(torch.float64)
         torch.set_grad_enabled(False)
-        torch.set_num_threads(max(1, state[5] + 1))
+        torch.set_num_threads(max(1, before[5] + 1))
     finally:
-        reset_process_state(*state)
-    assert "QWEN35_RUN_LEFTOVER" not in os.environ and sys.path == state[1] and warnings.filters == state[2]
-    assert torch.get_default_dtype() == state[3] and torch.is_grad_enabled() and torch.get_num_threads() == state[5]
+        reset_process_state(*before)
+    assert "QWEN35_RUN_LEFTOVER" not in os.environ and sys.path == before[1] and warnings.filters == before[2]
+    assert torch.get_default_dtype() == before[3] and torch.is_grad_enabled() and torch.get_num_threads() == before[5]
 
 
 # A "launcher" that starts a worker in a session of its own (as torch elastic does) and hangs.

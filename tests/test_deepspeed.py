@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 with the plugin (docs/deepspeed.md), launched as a user launches them on
-CPU (gloo; `DS_BUILD_OPS=0`): the unchanged recipe through the Trainer in fp32 against one process, and
-an Accelerate loop in bf16 from a checkpoint as Qwen ships it (bf16 weights, fp32 gates). Needs the
+CPU (gloo; `DS_BUILD_OPS=0`): the unchanged recipe through the Trainer in fp32 against one process and
+in bf16 under ZeRO-3, and an Accelerate loop in bf16, from a checkpoint as Qwen ships it (bf16 weights, fp32
+gates). Needs the
 `deepspeed` extra (CI's DeepSpeed step: `python3 -m pytest -m deepspeed`); skipped elsewhere. On main
 before this work no DeepSpeed launch on CPU got past DeepSpeed's batch-size check (one process per rank),
 and on a GPU the gates were bf16 parameters of the engine under bf16.
@@ -77,6 +78,14 @@ register(**{
         str(CONFIGS / "cpu_deepspeed_zero3.yaml"), "--per_device_train_batch_size", "2", *MODEL_ARGS, *FIXED_LENGTH,
         "--resume_from_checkpoint", "{out:deepspeed/zero3-resume-full}/checkpoint-2", env=DS_ENV, setup=save_tiny_fp32,
         after=("deepspeed/zero3-resume-full",)),
+    # The unchanged recipe under the ZeRO-3 bf16 YAML from a checkpoint as shipped, loaded bf16 (`--dtype bfloat16`, as
+    # Transformers loads Qwen's checkpoints by default). `--bf16` is the Trainer's own switch for the YAML's bf16 (the
+    # YAML alone: "ds bf16.enabled=True vs hf bf16=False"); `--use_cpu` is what Transformers asks for bf16 on a
+    # machine without a GPU (DeepSpeed stays the engine: the launcher's environment chooses it). AdamW at lr 1e-5:
+    # steps bf16 would round away.
+    "deepspeed/trainer-zero3-bf16": recipe_run(
+        str(CONFIGS / "cpu_deepspeed_zero3_bf16.yaml"), "--per_device_train_batch_size", "2", *MODEL_ARGS, *FIXED_LENGTH,
+        "--dtype", "bfloat16", "--bf16", "--use_cpu", "--learning_rate", "1e-5", env=DS_ENV, setup=save_as_shipped),
     **{f"deepspeed/zero{stage}-bf16": Run(str(CONFIGS / f"cpu_deepspeed_zero{stage}_bf16.yaml"), LOOP, ("{in}", "{out}"),
                                           env=DS_ENV, setup=save_as_shipped)
        for stage in (2, 3)},
@@ -176,6 +185,28 @@ def test_bf16_zero_trains_the_gates_in_fp32_from_a_checkpoint_as_shipped(launche
     for key in (k for k in shipped if k.endswith(GATES)):
         assert saved[key].dtype == torch.float32 and not torch.equal(saved[key], shipped[key]), key  # trained
         assert reloaded[key].dtype == torch.float32 and torch.equal(reloaded[key].detach(), saved[key]), key
+
+
+def test_unchanged_trainer_under_a_zero3_bf16_yaml_trains_the_gates_in_fp32_from_a_checkpoint_as_shipped(launched):
+    """The recipe, unchanged, under the ZeRO-3 bf16 YAML (zero.Init) from a checkpoint as Qwen ships it, loaded
+    bf16: the engine runs bf16 (every other weight saved bf16) while the gates were read back to the
+    checkpoint's fp32 values, trained by fp32 AdamW steps of ~1e-5 and saved fp32. Every gate value moved from
+    the checkpoint, each by at most its four steps (lr 1e-5 each: 1e-4 with room for Adam's bias correction), far below
+    the bf16 rounding of those values, which a bf16 load or bf16 training would have left in the file (stock:
+    bf16 gates)."""
+    run = launched("deepspeed/trainer-zero3-bf16")
+    assert "were loaded below fp32; their fp32 values were read back, bitwise" in run.stderr
+    assert "prepared by qwen35_accel for DeepSpeed ZeRO-3: 2 GatedDeltaNet gate holders (A_log/dt_bias) in fp32" in run.stderr
+    history = losses(run.out)
+    assert len(history) == 4 and all(torch.isfinite(torch.tensor(history))), history
+    shipped = load_file(run.inputs / "model.safetensors")
+    saved = _named(load_file(run.out / "model.safetensors"))
+    assert set(saved) == set(shipped)
+    assert {saved[k].dtype for k in saved if not k.endswith(GATES)} == {torch.bfloat16}
+    for key in (k for k in shipped if k.endswith(GATES)):
+        rounding = (shipped[key] - shipped[key].bfloat16().float()).abs().max().item()
+        moved = (saved[key] - shipped[key]).abs()
+        assert saved[key].dtype == torch.float32 and 0 < moved.min() and moved.max() <= 1e-4 < rounding, (key, moved, rounding)
 
 
 SP2 = "parallelism_config:\n  parallelism_config_sp_size: 2\n  parallelism_config_sp_backend: deepspeed\n"

@@ -67,6 +67,9 @@ register(**{
     **{f"deepspeed/zero{stage}": recipe_run(str(CONFIGS / f"cpu_deepspeed_zero{stage}.yaml"), "--per_device_train_batch_size",
                                             "2", *RECIPE_ARGS, env=DS_ENV, setup=save_tiny_fp32)
        for stage in (2, 3)},
+    # Gradient accumulation: 2 micro-batches of 1 row per rank and step, the same 4 rows per step as the reference.
+    "deepspeed/zero2-ga2": recipe_run(str(CONFIGS / "cpu_deepspeed_zero2_ga2.yaml"), "--per_device_train_batch_size", "1",
+                                      "--gradient_accumulation_steps", "2", *RECIPE_ARGS, env=DS_ENV, setup=save_tiny_fp32),
     # Qwen3.5-MoE with the router's loss on: dp 2's oracle is one process over the same two micro-batches
     # (tests/test_moe_launch.py's moe/reference-ga2).
     "deepspeed/moe-zero3": recipe_run(str(CONFIGS / "cpu_deepspeed_zero3.yaml"), "--per_device_train_batch_size", "2", *MOE,
@@ -101,10 +104,12 @@ def _named(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("stage,run,reference", [
     (2, "deepspeed/zero2", "deepspeed/reference"),
     (3, "deepspeed/zero3", "deepspeed/reference"),
+    (2, "deepspeed/zero2-ga2", "deepspeed/reference"),
     (3, "deepspeed/moe-zero3", "moe/reference-ga2"),
-], ids=["zero2", "zero3", "moe-zero3"])
+], ids=["zero2", "zero3", "zero2-ga2", "moe-zero3"])
 def test_fp32_zero_under_the_trainer_equals_one_process(launched, stage, run, reference):
-    """The unchanged recipe under ZeRO-2, and ZeRO-3 with zero.Init (the Trainer's load partitions the
+    """The unchanged recipe under ZeRO-2 (also accumulating 2 micro-batches per step: the gates' gradients
+    summed over them and reduced once), and ZeRO-3 with zero.Init (the Trainer's load partitions the
     gates), dense and MoE (the router's loss counted as one process counts it): every logged value per
     step (loss, grad_norm with gradient_clipping 1.0, …) and every saved weight, the gates fp32 in the
     file, as one process on the same rows (fp32: rtol 1e-5; ZeRO reduces in another order). The saved

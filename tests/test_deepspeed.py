@@ -19,6 +19,9 @@ from _launched import Run, register
 from _parity import assert_same_log_history
 from safetensors.torch import load_file
 from test_moe_launch import MOE, save_tiny_moe
+from test_reward_models import PREPARED as REWARD_PREPARED
+from test_reward_models import SCRIPT as REWARD_SCRIPT
+from test_reward_models import save_tiny_reward_model
 from test_torchrun_launch import SCRIPT as TORCHRUN_SCRIPT
 from test_trainer_launch import FIXED_LENGTH, RESUME_FROM, SGD, assert_same_training, losses, recipe_run
 
@@ -70,6 +73,9 @@ register(**{
     # Gradient accumulation: 2 micro-batches of 1 row per rank and step, the same 4 rows per step as the reference.
     "deepspeed/zero2-ga2": recipe_run(str(CONFIGS / "cpu_deepspeed_zero2_ga2.yaml"), "--per_device_train_batch_size", "1",
                                       "--gradient_accumulation_steps", "2", *RECIPE_ARGS, env=DS_ENV, setup=save_tiny_fp32),
+    # A reward model (AutoModelForSequenceClassification) with the plain Trainer: tests/test_reward_models.py's script.
+    "deepspeed/reward-zero3": Run(str(CONFIGS / "cpu_deepspeed_zero3.yaml"), REWARD_SCRIPT, ("{in}", "{out}", "2"), env=DS_ENV,
+                                  setup=save_tiny_reward_model),
     # Qwen3.5-MoE with the router's loss on: dp 2's oracle is one process over the same two micro-batches
     # (tests/test_moe_launch.py's moe/reference-ga2).
     "deepspeed/moe-zero3": recipe_run(str(CONFIGS / "cpu_deepspeed_zero3.yaml"), "--per_device_train_batch_size", "2", *MOE,
@@ -128,6 +134,20 @@ def test_fp32_zero_under_the_trainer_equals_one_process(launched, stage, run, re
     assert {k for k in a if k.endswith(GATES)} <= set(reloaded)
     for key in set(a) & set(reloaded):  # (the MoE's experts load fused: other names)
         assert torch.equal(reloaded[key].detach(), a[key]), key
+
+
+def test_a_reward_model_under_zero3_trains_as_one_process(launched):
+    """A Qwen3.5 reward model (sequence classification, num_labels 1) through the plain Trainer under ZeRO-3 with
+    zero.Init, dp 2 x batch 2: every logged value (loss, grad norm, the evaluation's loss), every saved weight
+    (the score head's and the gates, fp32) and `predict`'s scores as one process on batch 4 (fp32 rtol 1e-5;
+    SGD; tests/test_reward_models.py's reference run)."""
+    run, reference = launched("deepspeed/reward-zero3"), launched("reward/reference")
+    assert REWARD_PREPARED + " for DeepSpeed ZeRO-3" in run.stderr
+    assert_same_training(run.out, reference.out, rtol=1e-5)
+    saved = _named(load_file(run.out / "model.safetensors"))
+    assert {saved[k].dtype for k in saved if k.endswith(GATES)} == {torch.float32}
+    got, want = (torch.load(r.out / "predictions.pt") for r in (run, reference))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_zero3_checkpoint_resumes_the_gates_optimizer_and_consolidates_the_gates(launched):

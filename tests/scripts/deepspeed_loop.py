@@ -1,5 +1,5 @@
-"""An Accelerate training loop as a user writes it (no Trainer: on a machine without a GPU the Trainer
-refuses bf16 unless `use_cpu`, which turns DeepSpeed off), for DeepSpeed runs in bf16: the model loaded
+"""An Accelerate training loop as a user writes it (the Trainer's bf16 run under DeepSpeed is the recipe's, in
+tests/test_deepspeed.py; this loop records what each training forward read), for DeepSpeed runs in bf16: the model loaded
 in bf16 from MODEL_DIR, 4 SGD steps of 4 rows (the global batch, split over the processes), the
 state dict `Accelerator.get_state_dict` gives saved with `save_pretrained` in OUTPUT_DIR, and on rank 0
 `run.pt`: the losses, DeepSpeed's gradient norms, and every `A_log`/`dt_bias` value and dtype each

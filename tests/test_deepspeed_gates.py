@@ -57,6 +57,37 @@ def test_the_gates_leave_the_users_optimizer_for_an_fp32_one_of_its_class_and_gr
     assert all(p.dtype == torch.float32 for p in gates.params)
 
 
+@pytest.mark.parametrize("make,expected", [
+    (lambda groups: torch.optim.SGD(groups, lr=0.3, momentum=0.9), torch.optim.Adam),
+    (lambda groups: torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95)), torch.optim.AdamW),
+    (lambda groups: torch.optim.Adagrad(groups, lr=1e-2), torch.optim.Adagrad),
+], ids=["sgd", "adamw", "adagrad"])
+def test_under_zero_offload_the_gates_take_the_steps_accelerate_gives_the_others(make, expected):
+    """ZeRO-Offload with zero_force_ds_cpu_optimizer (its default): Accelerate rebuilds the script's torch optimizer
+    as DeepSpeedCPUAdam (AdamW mode for AdamW, Adam mode for any other class but Adagrad: DeepSpeedCPUAdagrad)
+    from its groups; the gates' fp32 optimizer is that step in torch, with the same groups' hyperparameters."""
+    from qwen35_accel.integrations.accelerate.deepspeed_preparation import replaces_optimizer_under_offload
+
+    model = build_tiny_causal_lm(seed=0)
+    optimizer = make(_trainer_groups(model))
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert replaces_optimizer_under_offload(offload, optimizer)
+    assert not replaces_optimizer_under_offload({**offload, "zero_force_ds_cpu_optimizer": False}, optimizer)
+    assert not replaces_optimizer_under_offload({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}, optimizer)
+    install_fp32_gate(model)
+    gates = take_gates_out(hide_holders(model), optimizer, None, offloaded=True)
+    assert type(gates.optimizer) is expected
+    decayed, kept = gates.optimizer.param_groups
+    assert (decayed["weight_decay"], kept["weight_decay"]) == (0.1, 0.0)
+    assert decayed["lr"] == optimizer.defaults["lr"]
+    if expected is not torch.optim.Adagrad:
+        assert decayed["betas"] == optimizer.defaults.get("betas", (0.9, 0.999))  # DeepSpeedCPUAdam's default
+    unchanged = build_tiny_causal_lm(seed=0)
+    plain = make(_trainer_groups(unchanged))
+    install_fp32_gate(unchanged)
+    assert type(take_gates_out(hide_holders(unchanged), plain, None).optimizer) is type(plain)  # without offload
+
+
 def test_an_optimizer_of_the_deepspeed_config_is_mirrored_or_refused_naming_it():
     from accelerate.utils.deepspeed import DummyOptim
 

@@ -72,6 +72,14 @@ def keep_gates_outside(model: nn.Module) -> tuple[list[nn.Module], dict[int, nn.
     return hide_holders(model), replaced
 
 
+def replaces_optimizer_under_offload(config: dict[str, Any], optimizer: Any) -> bool:
+    """Whether Accelerate's `_prepare_deepspeed` replaces `optimizer` (a torch optimizer) by DeepSpeed's CPU
+    optimizer: the DeepSpeed `config` offloads the optimizer and leaves `zero_force_ds_cpu_optimizer` on."""
+    offload = ((config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
+    return (isinstance(optimizer, torch.optim.Optimizer) and offload != "none"
+            and bool(config.get("zero_force_ds_cpu_optimizer", True)))
+
+
 def _take_gates_out(accelerator: Any, model: nn.Module, args: tuple[Any, ...]) -> Any:
     from ...model.detect import unwrap_qwen35
     from ...model.state import own_state
@@ -85,7 +93,15 @@ def _take_gates_out(accelerator: Any, model: nn.Module, args: tuple[Any, ...]) -
     optimizer = next((a for a in args if isinstance(a, torch.optim.Optimizer) or type(a).__name__ == "DummyOptim"), None)
     trainable = any(p.requires_grad for holder in holders for p in holder.parameters())
     if trainable and optimizer is not None:
-        gates = take_gates_out(holders, optimizer, config.get("optimizer"), replaced)
+        offloaded = replaces_optimizer_under_offload(config, optimizer)
+        gates = take_gates_out(holders, optimizer, config.get("optimizer"), replaced, offloaded)
+        if offloaded and type(gates.optimizer).__name__ != type(optimizer).__name__:
+            main_process_note(
+                f"under offload_optimizer Accelerate replaces the script's {type(optimizer).__name__} by DeepSpeed's CPU "
+                f"optimizer ({type(gates.optimizer).__name__} steps, zero_force_ds_cpu_optimizer) for every parameter of "
+                f"the engine; the GatedDeltaNet gates take the same steps (zero_force_ds_cpu_optimizer: false keeps "
+                f"the {type(optimizer).__name__})"
+            )
     else:  # frozen gates (LoRA), or no optimizer (evaluation, inference): kept in fp32, nothing to step
         gates = DeepSpeedGates(holders=holders, optimizer=None, follows=[])
     own_state(unwrap_qwen35(model)).deepspeed_gates = gates

@@ -143,15 +143,30 @@ def _groups_without(groups: list[dict[str, Any]], gates: dict[int, nn.Parameter]
     return kept, taken
 
 
+def offload_class(cls: type) -> type:
+    """The torch class whose step equals the one Accelerate gives the engine's parameters in place of a
+    torch optimizer of class `cls` under ZeRO-Offload (`map_pytorch_optim_to_deepspeed`, when the config
+    offloads the optimizer and `zero_force_ds_cpu_optimizer` is on, its default): DeepSpeedCPUAdagrad for
+    Adagrad, DeepSpeedCPUAdam in AdamW mode for AdamW and in Adam mode (L2 decay) for any other class, each
+    with the groups' hyperparameters (DeepSpeedCPUAdam's defaults, torch Adam's, for what a group lacks)."""
+    if issubclass(cls, torch.optim.Adagrad):
+        return torch.optim.Adagrad
+    if issubclass(cls, torch.optim.AdamW):
+        return torch.optim.AdamW
+    return torch.optim.Adam
+
+
 def take_gates_out(
     holders: list[nn.Module], optimizer: Any, optimizer_config: dict[str, Any] | None,
-    replaced: dict[int, nn.Parameter] | None = None,
+    replaced: dict[int, nn.Parameter] | None = None, offloaded: bool = False,
 ) -> DeepSpeedGates:
     """Take the holders' parameters out of `optimizer` (a torch optimizer the script or the Trainer
     built, or Accelerate's `DummyOptim` for an optimizer in the DeepSpeed config, `optimizer_config`)
-    and give them an fp32 optimizer of the same class and hyperparameters. `replaced`: id of a
-    parameter the optimizer may hold in a holder parameter's place (ZeRO-3's partitioned original)
-    -> that holder parameter. Raises NotImplementedError for an optimizer it cannot mirror exactly."""
+    and give them an fp32 optimizer of the same class and hyperparameters — with `offloaded` (Accelerate
+    replaces a torch optimizer under ZeRO-Offload), of the class the others get (`offload_class`).
+    `replaced`: id of a parameter the optimizer may hold in a holder parameter's place (ZeRO-3's
+    partitioned original) -> that holder parameter. Raises NotImplementedError for an optimizer it
+    cannot mirror exactly."""
     gates = {id(p): p for holder in holders for p in holder.parameters()}
     gates.update(replaced or {})
     if optimizer is None:
@@ -162,6 +177,8 @@ def take_gates_out(
     if isinstance(optimizer, torch.optim.Optimizer):
         kept, taken = _groups_without(optimizer.param_groups, gates)
         cls, defaults = type(optimizer), dict(optimizer.defaults)
+        if offloaded:
+            cls = offload_class(cls)
         optimizer.param_groups[:] = kept
         for param in list(optimizer.state):
             if id(param) in gates:

@@ -193,6 +193,9 @@ def test_bf16_zero_trains_the_gates_in_fp32_from_a_checkpoint_as_shipped(launche
     run = launched(f"deepspeed/zero{stage}-bf16")
     assert "were loaded below fp32; their fp32 values were read back, bitwise" in run.stderr
     assert f"prepared by qwen35_accel for DeepSpeed ZeRO-{stage}" in run.stderr
+    engine_stage = 3 if stage == 3 else 0  # TRL's inference engine: stage 0 below ZeRO-3
+    assert (f"(DPOTrainer's reference or reward model, TRL's prepare_deepspeed) prepared by qwen35_accel for DeepSpeed's "
+            f"inference engine (ZeRO-{engine_stage}): 2 GatedDeltaNet gate holders (A_log/dt_bias) in fp32") in run.stderr
     shipped = load_file(run.inputs / "model.safetensors")
     first = "model.layers.0.linear_attn."
     record = torch.load(run.out / "run.pt")

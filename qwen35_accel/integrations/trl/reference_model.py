@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from ..accelerate.several_models import prepare_extra_model
+from ..notices import main_process_note
 from ..targets import is_dense_qwen35_module, is_qwen35_module, prepared_by_accelerate
 from .trainers import trl_under_cp_error
 
@@ -68,10 +69,16 @@ def trl_prepare_deepspeed(trainer: str) -> Callable[[Callable[..., Any]], Callab
             gates = DeepSpeedGates(holders=holders, optimizer=None, follows=[])
             engine = original(model, accelerator)
             gates.attach(engine)
-            if engine.zero_optimization_stage() == 3:
+            stage = engine.zero_optimization_stage()
+            if stage == 3:
                 own_state(unwrap_qwen35(model)).deepspeed_gates = gates
             else:
                 show_holders(model)
+            main_process_note(
+                f"{type(model).__name__} ({trainer}'s reference or reward model, TRL's prepare_deepspeed) prepared by "
+                f"qwen35_accel for DeepSpeed's inference engine (ZeRO-{stage}): {len(holders)} GatedDeltaNet gate holders "
+                "(A_log/dt_bias) in fp32 — the checkpoint's values, read in fp32 by every forward, never stepped"
+            )
             return engine
 
         return wrapper

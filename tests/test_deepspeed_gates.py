@@ -57,11 +57,22 @@ def test_the_gates_leave_the_users_optimizer_for_an_fp32_one_of_its_class_and_gr
     assert all(p.dtype == torch.float32 for p in gates.params)
 
 
+def _bitsandbytes(name: str, bits: int) -> type:
+    """A torch optimizer class named and placed as bitsandbytes' `name` with `optim_bits` (bitsandbytes is not
+    installed here; Accelerate tells its classes by module, name and bits, and so does the plugin)."""
+    return type(name, (torch.optim.Optimizer,), {
+        "__module__": "bitsandbytes.optim.adamw", "optim_bits": bits,
+        "__init__": lambda self, params, lr: torch.optim.Optimizer.__init__(self, params, {"lr": lr, "weight_decay": 0.0}),
+    })
+
+
 @pytest.mark.parametrize("make,expected", [
     (lambda groups: torch.optim.SGD(groups, lr=0.3, momentum=0.9), torch.optim.Adam),
     (lambda groups: torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95)), torch.optim.AdamW),
     (lambda groups: torch.optim.Adagrad(groups, lr=1e-2), torch.optim.Adagrad),
-], ids=["sgd", "adamw", "adagrad"])
+    (lambda groups: _bitsandbytes("AdamW", 32)(groups, lr=1e-3), torch.optim.AdamW),
+    (lambda groups: _bitsandbytes("AdamW", 8)(groups, lr=1e-3), torch.optim.Adam),
+], ids=["sgd", "adamw", "adagrad", "bnb-adamw-32bit", "bnb-adamw-8bit"])
 def test_under_zero_offload_the_gates_take_the_steps_accelerate_gives_the_others(make, expected):
     """ZeRO-Offload with zero_force_ds_cpu_optimizer (its default): Accelerate rebuilds the script's torch optimizer
     as DeepSpeedCPUAdam (AdamW mode for AdamW, Adam mode for any other class but Adagrad: DeepSpeedCPUAdagrad)

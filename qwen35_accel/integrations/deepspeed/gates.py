@@ -143,16 +143,29 @@ def _groups_without(groups: list[dict[str, Any]], gates: dict[int, nn.Parameter]
     return kept, taken
 
 
-def offload_class(cls: type) -> type:
-    """The torch class whose step equals the one Accelerate gives the engine's parameters in place of a
-    torch optimizer of class `cls` under ZeRO-Offload (`map_pytorch_optim_to_deepspeed`, when the config
-    offloads the optimizer and `zero_force_ds_cpu_optimizer` is on, its default): DeepSpeedCPUAdagrad for
-    Adagrad, DeepSpeedCPUAdam in AdamW mode for AdamW and in Adam mode (L2 decay) for any other class, each
-    with the groups' hyperparameters (DeepSpeedCPUAdam's defaults, torch Adam's, for what a group lacks)."""
-    if issubclass(cls, torch.optim.Adagrad):
-        return torch.optim.Adagrad
-    if issubclass(cls, torch.optim.AdamW):
+def _bnb_32bit(optimizer: Any, *names: str) -> bool:
+    """Whether `optimizer` is a 32-bit bitsandbytes optimizer of one of the classes `names`."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("bitsandbytes") or cls.__name__ not in names:
+        return False
+    bits = getattr(optimizer, "optim_bits", None)
+    return (bits if bits is not None else getattr(getattr(optimizer, "args", None), "optim_bits", None)) == 32
+
+
+def offload_class(optimizer: Any) -> type:
+    """The class whose step equals the one Accelerate gives the engine's parameters in place of the torch
+    optimizer `optimizer` under ZeRO-Offload (`map_pytorch_optim_to_deepspeed`, when the config offloads
+    the optimizer and `zero_force_ds_cpu_optimizer` is on, its default), rebuilt from the same groups:
+    DeepSpeedCPUAdam in AdamW mode for AdamW (torch's, or bitsandbytes' 32-bit), DeepSpeedCPUAdagrad for
+    Adagrad, DeepSpeedCPULion for bitsandbytes' 32-bit Lion (its own class then), DeepSpeedCPUAdam in Adam
+    mode (L2 decay) for any other (an SGD becomes Adam; DeepSpeedCPUAdam's defaults, torch Adam's, for what
+    a group lacks)."""
+    if isinstance(optimizer, torch.optim.AdamW) or _bnb_32bit(optimizer, "AdamW", "AdamW32bit"):
         return torch.optim.AdamW
+    if isinstance(optimizer, torch.optim.Adagrad) or _bnb_32bit(optimizer, "Adagrad", "Adagrad32bit"):
+        return torch.optim.Adagrad
+    if _bnb_32bit(optimizer, "Lion", "Lion32bit"):
+        return type(optimizer)
     return torch.optim.Adam
 
 
@@ -178,7 +191,7 @@ def take_gates_out(
         kept, taken = _groups_without(optimizer.param_groups, gates)
         cls, defaults = type(optimizer), dict(optimizer.defaults)
         if offloaded:
-            cls = offload_class(cls)
+            cls = offload_class(optimizer)
         optimizer.param_groups[:] = kept
         for param in list(optimizer.state):
             if id(param) in gates:

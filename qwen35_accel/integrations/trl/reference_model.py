@@ -77,7 +77,7 @@ def trl_prepare_deepspeed(trainer: str) -> Callable[[Callable[..., Any]], Callab
             main_process_note(
                 f"{type(model).__name__} ({trainer}'s reference or reward model, TRL's prepare_deepspeed) prepared by "
                 f"qwen35_accel for DeepSpeed's inference engine (ZeRO-{stage}): {len(holders)} GatedDeltaNet gate holders "
-                "(A_log/dt_bias) in fp32 — the checkpoint's values, read in fp32 by every forward, never stepped"
+                "(A_log/dt_bias) in fp32, hidden from the engine's cast — read in fp32 by every forward, never stepped"
             )
             return engine
 

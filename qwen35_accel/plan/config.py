@@ -39,7 +39,12 @@ def check_engine(cluster: Any, path: str) -> None:
         raise PlanError(
             f"{path} runs DeepSpeed (distributed_type: DEEPSPEED): ZeRO lays the model out and qwen35_accel keeps "
             "A_log/dt_bias in fp32 beside its engine (docs/deepspeed.md); `plan` has no memory model of ZeRO and lays "
-            "out only the FSDP2 runs qwen35_accel prepares: not planned. Pass an FSDP2 YAML (accelerate_configs/fsdp2.yaml)"
+            "out only the FSDP2 runs qwen35_accel prepares: not planned. DeepSpeed estimates ZeRO's model states "
+            "itself: deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live(model, "
+            "num_gpus_per_node=…, num_nodes=…) (stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live for "
+            "ZeRO-1/2); the plugin adds on every rank the gates' fp32 values, gradients and AdamW moments (16 bytes "
+            "× 2 × value heads per GatedDeltaNet layer). For a plan of units, memory and CP/TP, pass an FSDP2 YAML "
+            "(accelerate_configs/fsdp2.yaml)"
         )
     version = str((cluster.fsdp_config or {}).get("fsdp_version", "1"))
     if distributed == "FSDP" and version != "2":

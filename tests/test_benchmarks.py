@@ -27,14 +27,14 @@ from pathlib import Path
 import pytest
 
 from _launched import RUNS, Run, register
+from qwen35_accel.local_world import START_METHOD_VAR
 from qwen35_accel.testing.processes import ProcessTreeTimeout, run_process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 # The smokes start dozens of short worlds: forked from one server process that imported torch and Transformers
-# once (qwen35_accel.local_world.START_METHOD_VAR), not spawned as fresh interpreters.
-SMOKE_ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
-             "QWEN35_LOCAL_WORLD_START_METHOD": "forkserver"}
+# once (START_METHOD_VAR), not spawned as fresh interpreters.
+SMOKE_ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", START_METHOD_VAR: "forkserver"}
 # A guard against hangs, not a speed check: about 10x the slowest smoke on an idle 2-core machine
 # (rl_cp_step.py, 38 s: five worlds of up to 4 ranks). At 180 s it failed once beside other CPU-heavy
 # work (load average above 16 on 2 cores) and passed on every rerun, under load too: most likely the timeout.

@@ -77,7 +77,7 @@ def test_under_zero_offload_the_gates_take_the_steps_accelerate_gives_the_others
     """ZeRO-Offload with zero_force_ds_cpu_optimizer (its default): Accelerate rebuilds the script's torch optimizer
     as DeepSpeedCPUAdam (AdamW mode for AdamW, Adam mode for any other class but Adagrad: DeepSpeedCPUAdagrad)
     from its groups; the gates' fp32 optimizer is that step in torch, with the same groups' hyperparameters."""
-    from qwen35_accel.integrations.accelerate.deepspeed_preparation import replaces_optimizer_under_offload
+    from qwen35_accel.integrations.accelerate.deepspeed_preparation import offload_class, replaces_optimizer_under_offload
 
     model = build_tiny_causal_lm(seed=0)
     optimizer = make(_trainer_groups(model))
@@ -86,8 +86,8 @@ def test_under_zero_offload_the_gates_take_the_steps_accelerate_gives_the_others
     assert not replaces_optimizer_under_offload({**offload, "zero_force_ds_cpu_optimizer": False}, optimizer)
     assert not replaces_optimizer_under_offload({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}, optimizer)
     install_fp32_gate(model)
-    gates = take_gates_out(hide_holders(model), optimizer, None, offloaded=True)
-    assert type(gates.optimizer) is expected
+    gates = take_gates_out(hide_holders(model), optimizer, None, step_class=offload_class(optimizer))
+    assert offload_class(optimizer) is expected and type(gates.optimizer) is expected
     decayed, kept = gates.optimizer.param_groups
     assert (decayed["weight_decay"], kept["weight_decay"]) == (0.1, 0.0)
     assert decayed["lr"] == optimizer.defaults["lr"]

@@ -72,6 +72,34 @@ def keep_gates_outside(model: nn.Module) -> tuple[list[nn.Module], dict[int, nn.
     return hide_holders(model), replaced
 
 
+def _bnb_32bit(optimizer: Any, *names: str) -> bool:
+    """Whether `optimizer` is a 32-bit bitsandbytes optimizer of one of the classes `names`."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("bitsandbytes") or cls.__name__ not in names:
+        return False
+    bits = getattr(optimizer, "optim_bits", None)
+    if bits is None:  # bitsandbytes keeps it in `args` on some classes, as Accelerate reads it
+        bits = getattr(getattr(optimizer, "args", None), "optim_bits", None)
+    return bits == 32
+
+
+def offload_class(optimizer: Any) -> type:
+    """The class whose step equals the one Accelerate gives the engine's parameters in place of the torch
+    optimizer `optimizer` under ZeRO-Offload (`map_pytorch_optim_to_deepspeed`, when the config offloads
+    the optimizer and `zero_force_ds_cpu_optimizer` is on, its default), rebuilt from the same groups:
+    DeepSpeedCPUAdam in AdamW mode for AdamW (torch's, or bitsandbytes' 32-bit), DeepSpeedCPUAdagrad for
+    Adagrad, DeepSpeedCPULion for bitsandbytes' 32-bit Lion (its own class then), DeepSpeedCPUAdam in Adam
+    mode (L2 decay) for any other (an SGD becomes Adam; DeepSpeedCPUAdam's defaults, torch Adam's, for what
+    a group lacks)."""
+    if isinstance(optimizer, torch.optim.AdamW) or _bnb_32bit(optimizer, "AdamW", "AdamW32bit"):
+        return torch.optim.AdamW
+    if isinstance(optimizer, torch.optim.Adagrad) or _bnb_32bit(optimizer, "Adagrad", "Adagrad32bit"):
+        return torch.optim.Adagrad
+    if _bnb_32bit(optimizer, "Lion", "Lion32bit"):
+        return type(optimizer)
+    return torch.optim.Adam
+
+
 def replaces_optimizer_under_offload(config: dict[str, Any], optimizer: Any) -> bool:
     """Whether Accelerate's `_prepare_deepspeed` replaces `optimizer` (a torch optimizer) by DeepSpeed's CPU
     optimizer: the DeepSpeed `config` offloads the optimizer and leaves `zero_force_ds_cpu_optimizer` on."""
@@ -93,9 +121,9 @@ def _take_gates_out(accelerator: Any, model: nn.Module, args: tuple[Any, ...]) -
     optimizer = next((a for a in args if isinstance(a, torch.optim.Optimizer) or type(a).__name__ == "DummyOptim"), None)
     trainable = any(p.requires_grad for holder in holders for p in holder.parameters())
     if trainable and optimizer is not None:
-        offloaded = replaces_optimizer_under_offload(config, optimizer)
-        gates = take_gates_out(holders, optimizer, config.get("optimizer"), replaced, offloaded)
-        if offloaded and type(gates.optimizer).__name__ != type(optimizer).__name__:
+        step_class = offload_class(optimizer) if replaces_optimizer_under_offload(config, optimizer) else None
+        gates = take_gates_out(holders, optimizer, config.get("optimizer"), replaced, step_class)
+        if step_class not in (None, type(optimizer)):
             main_process_note(
                 f"under offload_optimizer Accelerate replaces the script's {type(optimizer).__name__} by DeepSpeed's CPU "
                 f"optimizer ({type(gates.optimizer).__name__} steps, zero_force_ds_cpu_optimizer) for every parameter of "

@@ -143,41 +143,15 @@ def _groups_without(groups: list[dict[str, Any]], gates: dict[int, nn.Parameter]
     return kept, taken
 
 
-def _bnb_32bit(optimizer: Any, *names: str) -> bool:
-    """Whether `optimizer` is a 32-bit bitsandbytes optimizer of one of the classes `names`."""
-    cls = type(optimizer)
-    if not cls.__module__.startswith("bitsandbytes") or cls.__name__ not in names:
-        return False
-    bits = getattr(optimizer, "optim_bits", None)
-    return (bits if bits is not None else getattr(getattr(optimizer, "args", None), "optim_bits", None)) == 32
-
-
-def offload_class(optimizer: Any) -> type:
-    """The class whose step equals the one Accelerate gives the engine's parameters in place of the torch
-    optimizer `optimizer` under ZeRO-Offload (`map_pytorch_optim_to_deepspeed`, when the config offloads
-    the optimizer and `zero_force_ds_cpu_optimizer` is on, its default), rebuilt from the same groups:
-    DeepSpeedCPUAdam in AdamW mode for AdamW (torch's, or bitsandbytes' 32-bit), DeepSpeedCPUAdagrad for
-    Adagrad, DeepSpeedCPULion for bitsandbytes' 32-bit Lion (its own class then), DeepSpeedCPUAdam in Adam
-    mode (L2 decay) for any other (an SGD becomes Adam; DeepSpeedCPUAdam's defaults, torch Adam's, for what
-    a group lacks)."""
-    if isinstance(optimizer, torch.optim.AdamW) or _bnb_32bit(optimizer, "AdamW", "AdamW32bit"):
-        return torch.optim.AdamW
-    if isinstance(optimizer, torch.optim.Adagrad) or _bnb_32bit(optimizer, "Adagrad", "Adagrad32bit"):
-        return torch.optim.Adagrad
-    if _bnb_32bit(optimizer, "Lion", "Lion32bit"):
-        return type(optimizer)
-    return torch.optim.Adam
-
-
 def take_gates_out(
     holders: list[nn.Module], optimizer: Any, optimizer_config: dict[str, Any] | None,
-    replaced: dict[int, nn.Parameter] | None = None, offloaded: bool = False,
+    replaced: dict[int, nn.Parameter] | None = None, step_class: type | None = None,
 ) -> DeepSpeedGates:
     """Take the holders' parameters out of `optimizer` (a torch optimizer the script or the Trainer
     built, or Accelerate's `DummyOptim` for an optimizer in the DeepSpeed config, `optimizer_config`)
-    and give them an fp32 optimizer of the same class and hyperparameters — with `offloaded` (Accelerate
-    replaces a torch optimizer under ZeRO-Offload), of the class the others get (`offload_class`).
-    `replaced`: id of a parameter the optimizer may hold in a holder parameter's place (ZeRO-3's
+    and give them an fp32 optimizer of the same class and hyperparameters — of `step_class` instead, with
+    the same groups, where the engine's parameters get another class's step (a torch optimizer that
+    Accelerate rebuilds as DeepSpeed's CPU one under ZeRO-Offload). `replaced`: id of a parameter the optimizer may hold in a holder parameter's place (ZeRO-3's
     partitioned original) -> that holder parameter. Raises NotImplementedError for an optimizer it
     cannot mirror exactly."""
     gates = {id(p): p for holder in holders for p in holder.parameters()}
@@ -189,9 +163,7 @@ def take_gates_out(
         )
     if isinstance(optimizer, torch.optim.Optimizer):
         kept, taken = _groups_without(optimizer.param_groups, gates)
-        cls, defaults = type(optimizer), dict(optimizer.defaults)
-        if offloaded:
-            cls = offload_class(optimizer)
+        cls, defaults = step_class or type(optimizer), dict(optimizer.defaults)
         optimizer.param_groups[:] = kept
         for param in list(optimizer.state):
             if id(param) in gates:
